@@ -1,0 +1,241 @@
+"""KV block pool with a chained-hash prefix cache (plain Python, no jax).
+
+Every usable block (ids 1..num_blocks-1; block 0 is the dummy that padding writes into) is in exactly one state:
+- referenced: ref_count > 0, held by the block tables of running sequences (a cached block can be referenced too);
+- cached: unreferenced but still published under its chain hash, so it stays matchable until it is evicted;
+- free: unreferenced and unpublished.
+Published blocks form a trie (each knows its parent hash and its number of cached children). Only unreferenced
+leaves are evicted, least recently used first, so the ancestors of a cached block are always cached: a prefix
+match of depth k means blocks 1..k are all resident. Every eviction path reports the evicted ids to `on_evict`
+(the cache manager invalidates the mamba snapshots tied to them).
+"""
+import heapq
+from collections import deque
+from typing import Callable, Iterable, Sequence
+
+NULL_BLOCK = 0
+
+
+class _Block:
+    __slots__ = ("block_id", "ref_count", "hash", "parent_hash", "token_ids", "num_children", "last_used")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: bytes | None = None
+        self.parent_hash: bytes | None = None
+        self.token_ids: tuple[int, ...] | None = None
+        self.num_children = 0
+        self.last_used = 0
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, on_evict: Callable[[list[int]], None] | None = None,
+                 max_cached_blocks: int | None = None):
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks={num_blocks}: need the dummy block 0 plus at least one usable block")
+        self.num_blocks = num_blocks
+        self.on_evict = on_evict or (lambda block_ids: None)
+        self.max_cached_blocks = max_cached_blocks
+        self._blocks = [_Block(i) for i in range(num_blocks)]
+        self._free: deque[int] = deque(range(1, num_blocks))
+        self._by_hash: dict[bytes, int] = {}
+        self._leaf_lru: list[tuple[int, int]] = []  # heap of (last_used, block_id); stale entries skipped lazily
+        self._clock = 0
+        self._num_unreferenced_cached = 0
+
+    # ---- counts -------------------------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks that are neither referenced nor cached."""
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._by_hash)
+
+    @property
+    def num_available(self) -> int:
+        """Free blocks plus unreferenced cached ones (an upper bound on what allocation can reach by evicting)."""
+        return len(self._free) + self._num_unreferenced_cached
+
+    @property
+    def num_used(self) -> int:
+        """Referenced blocks."""
+        return self.num_blocks - 1 - self.num_available
+
+    def ref_count(self, block_id: int) -> int:
+        return self._blocks[block_id].ref_count
+
+    def cached_block(self, block_hash: bytes) -> int | None:
+        return self._by_hash.get(block_hash)
+
+    def block_hash(self, block_id: int) -> bytes | None:
+        return self._blocks[block_id].hash
+
+    def block_tokens(self, block_id: int) -> tuple[int, ...] | None:
+        return self._blocks[block_id].token_ids
+
+    def is_free(self, block_id: int) -> bool:
+        b = self._blocks[block_id]
+        return b.ref_count == 0 and b.hash is None and block_id != NULL_BLOCK
+
+    # ---- matching and references ----------------------------------------------------------------------------------
+    def match(self, hashes: Sequence[bytes], token_ids: Sequence[int], block_size: int) -> list[int]:
+        """Cached blocks for the longest prefix of `hashes` whose stored tokens equal `token_ids` (hash + compare)."""
+        matched = []
+        for i, h in enumerate(hashes):
+            block_id = self._by_hash.get(h)
+            if block_id is None:
+                break
+            if self._blocks[block_id].token_ids != tuple(token_ids[i * block_size:(i + 1) * block_size]):
+                break  # hash collision: never serve a block whose tokens differ
+            matched.append(block_id)
+        return matched
+
+    def acquire(self, block_ids: Iterable[int]) -> None:
+        """ref+1 on blocks a sequence starts sharing; refreshes their recency."""
+        self._clock += 1
+        for block_id in block_ids:
+            b = self._blocks[block_id]
+            if b.ref_count == 0:
+                if b.hash is None:
+                    raise ValueError(f"block {block_id} is free; only cached or referenced blocks can be shared")
+                self._num_unreferenced_cached -= 1
+            b.ref_count += 1
+            b.last_used = self._clock
+
+    def allocate(self, n: int) -> list[int] | None:
+        """n fresh unpublished blocks (ref 1), evicting LRU unreferenced leaves if needed; None (and no change) if
+        they cannot be had."""
+        if n > self.num_available:
+            return None
+        out: list[int] = []
+        evicted: list[int] = []
+        while len(out) < n:
+            if self._free:
+                block_id = self._free.popleft()
+            else:
+                block_id = self._evict_one()
+                if block_id is None:
+                    break
+                evicted.append(block_id)
+            self._blocks[block_id].ref_count = 1
+            out.append(block_id)
+        if evicted:
+            self.on_evict(evicted)
+        if len(out) < n:  # unreferenced blocks pinned under referenced descendants: give back what we took
+            self.release(out)
+            return None
+        return out
+
+    def release(self, block_ids: Iterable[int]) -> None:
+        """ref-1; a block reaching 0 stays cached (matchable) if published, else becomes free."""
+        self._clock += 1
+        for block_id in block_ids:
+            b = self._blocks[block_id]
+            if b.ref_count <= 0:
+                raise ValueError(f"block {block_id} released more often than acquired")
+            b.ref_count -= 1
+            if b.ref_count:
+                continue
+            if b.hash is None:
+                self._free.append(block_id)
+            else:
+                self._num_unreferenced_cached += 1
+                b.last_used = self._clock
+                if b.num_children == 0:
+                    self._push_leaf(b)
+
+    # ---- publishing -----------------------------------------------------------------------------------------------
+    def publish(self, block_id: int, block_hash: bytes, parent_hash: bytes | None, token_ids: Sequence[int]) -> bool:
+        """Make a referenced, fully written block matchable. False if the hash is already cached (the block stays
+        private). The parent must be cached. Trims the cache to max_cached_blocks afterwards."""
+        if block_hash in self._by_hash:
+            return False
+        b = self._blocks[block_id]
+        if b.ref_count == 0 or b.hash is not None:
+            raise ValueError(f"block {block_id} must be referenced and unpublished to be published")
+        if parent_hash is not None:
+            parent_id = self._by_hash.get(parent_hash)
+            if parent_id is None:
+                raise ValueError(f"block {block_id}: parent hash is not cached; publish blocks in chain order")
+            self._blocks[parent_id].num_children += 1
+        b.hash, b.parent_hash, b.token_ids = block_hash, parent_hash, tuple(token_ids)
+        self._clock += 1
+        b.last_used = self._clock
+        self._by_hash[block_hash] = block_id
+        if self.max_cached_blocks is not None and len(self._by_hash) > self.max_cached_blocks:
+            self.evict(len(self._by_hash) - self.max_cached_blocks)
+        return True
+
+    # ---- eviction paths (each reports to on_evict) ------------------------------------------------------------------
+    def evict(self, n: int) -> list[int]:
+        """Evict up to n unreferenced cached leaves, least recently used first; they become free."""
+        evicted = []
+        while len(evicted) < n:
+            block_id = self._evict_one()
+            if block_id is None:
+                break
+            evicted.append(block_id)
+            self._free.append(block_id)
+        if evicted:
+            self.on_evict(evicted)
+        return evicted
+
+    def evict_until_free(self, min_free: int) -> list[int]:
+        """Evict LRU unreferenced leaves one at a time until at least min_free blocks are free (or none is left)."""
+        evicted = []
+        while len(self._free) < min_free:
+            block_id = self._evict_one()
+            if block_id is None:
+                break
+            evicted.append(block_id)
+            self._free.append(block_id)
+        if evicted:
+            self.on_evict(evicted)
+        return evicted
+
+    def clear_prefix_cache(self) -> list[int]:
+        """Unpublish every cached block (referenced ones stay with their sequences as private blocks)."""
+        evicted = list(self._by_hash.values())
+        for block_id in evicted:
+            b = self._blocks[block_id]
+            b.hash = b.parent_hash = b.token_ids = None
+            b.num_children = 0
+            if b.ref_count == 0:
+                self._free.append(block_id)
+        self._by_hash.clear()
+        self._leaf_lru.clear()
+        self._num_unreferenced_cached = 0
+        if evicted:
+            self.on_evict(evicted)
+        return evicted
+
+    # ---- internals ------------------------------------------------------------------------------------------------
+    def _evictable(self, b: _Block) -> bool:
+        return b.hash is not None and b.ref_count == 0 and b.num_children == 0
+
+    def _push_leaf(self, b: _Block) -> None:
+        heapq.heappush(self._leaf_lru, (b.last_used, b.block_id))
+        if len(self._leaf_lru) > 4 * self.num_blocks + 64:
+            self._leaf_lru = [(x.last_used, x.block_id) for x in self._blocks if self._evictable(x)]
+            heapq.heapify(self._leaf_lru)
+
+    def _evict_one(self) -> int | None:
+        """Unpublish the LRU unreferenced leaf; its parent may become an evictable leaf. Caller reports the id."""
+        while self._leaf_lru:
+            last_used, block_id = heapq.heappop(self._leaf_lru)
+            b = self._blocks[block_id]
+            if not self._evictable(b) or b.last_used != last_used:
+                continue
+            del self._by_hash[b.hash]
+            if b.parent_hash is not None:
+                parent = self._blocks[self._by_hash[b.parent_hash]]
+                parent.num_children -= 1
+                if self._evictable(parent):
+                    self._push_leaf(parent)
+            b.hash = b.parent_hash = b.token_ids = None
+            self._num_unreferenced_cached -= 1
+            return block_id
+        return None

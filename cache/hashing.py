@@ -1,0 +1,27 @@
+"""Chained block hashes: stable across processes (blake2b, not Python's salted `hash`)."""
+from array import array
+from hashlib import blake2b
+from typing import Sequence
+
+HASH_BYTES = 16
+
+
+def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """hash(block i) = blake2b(hash(block i-1) || int32 tokens of block i); the first block has no parent."""
+    h = blake2b(parent_hash or b"", digest_size=HASH_BYTES)
+    h.update(array("i", token_ids).tobytes())
+    return h.digest()
+
+
+def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int, num_blocks: int) -> list[bytes]:
+    """Append the chain hashes of full blocks len(hashes)..num_blocks-1 of `token_ids` to `hashes` (in place)."""
+    if num_blocks * block_size > len(token_ids):
+        raise ValueError(f"{num_blocks} blocks of {block_size} need {num_blocks * block_size} tokens; got {len(token_ids)}")
+    for i in range(len(hashes), num_blocks):
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * block_size:(i + 1) * block_size]))
+    return hashes
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """Chain hashes of every full block of `token_ids` (a partial tail block has no hash)."""
+    return extend_block_hashes([], token_ids, block_size, len(token_ids) // block_size)

@@ -1,0 +1,291 @@
+"""CacheManager: the engine-facing host bookkeeping for KV blocks, live state slots and mamba prefix snapshots.
+
+Per step the engine calls: admit (new sequence) -> capture_positions / reserve_capture (prefill) or
+decode_capture_row (decode, at a block boundary) -> append_slots (decode growth) -> [the step runs] ->
+commit (publish what the step wrote) -> free (finish / abort / preempt). Nothing becomes matchable or restorable
+before the commit of the step that wrote it.
+"""
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+from cache.block_pool import BlockPool
+from cache.hashing import block_hashes, extend_block_hashes
+from cache.mamba_registry import MambaPrefixRegistry
+from cache.snapshot_pool import SnapshotPool
+from cache.stats import CacheStats
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    num_blocks: int              # KV blocks including the reserved dummy block 0 (never handed out)
+    num_live_slots: int          # live state rows are 1..num_live_slots (row 0 = dummy)
+    num_snapshot_slots: int      # snapshot rows are num_live_slots+1 .. num_live_slots+num_snapshot_slots
+    enable_prefix_caching: bool = True
+    hybrid: bool = True          # False: plain transformer, reuse = KV match, no snapshots needed
+
+    def __post_init__(self):
+        if self.block_size <= 0 or self.num_blocks < 2 or self.num_live_slots < 1 or self.num_snapshot_slots < 0:
+            raise ValueError(f"{self}: need block_size > 0, num_blocks >= 2 (block 0 is the dummy), "
+                             "num_live_slots >= 1, num_snapshot_slots >= 0")
+
+
+@dataclass(frozen=True)
+class Admission:
+    num_cached_tokens: int       # tokens served from cache (a multiple of block_size, <= prompt_len - 1)
+    block_table: list[int]       # blocks covering the whole prompt (shared cached ones first, then fresh)
+    state_row: int               # the sequence's live state row
+    restore_row: int | None      # snapshot row holding the state after num_cached_tokens tokens (None if 0 cached)
+    kv_matched_tokens: int       # raw KV match before trimming to a usable snapshot
+
+
+@dataclass
+class _Sequence:
+    prompt_len: int
+    hashes: list[bytes]                      # chain hashes of the full blocks known so far
+    block_table: list[int]
+    state_row: int
+    num_cached_tokens: int
+    capture_plan: list[int]
+    pinned_row: int | None = None            # restore snapshot, pinned until the first commit
+    pending_captures: dict[int, int] = field(default_factory=dict)  # position -> reserved row
+    decode_row: int | None = None
+    decode_position: int = 0
+    publish_cursor: int = 0                  # blocks [0, cursor) are published (own or pinned under own children)
+
+
+class CacheManager:
+    def __init__(self, config: CacheConfig):
+        self.config = config
+        self.stats = CacheStats()
+        self.blocks = BlockPool(config.num_blocks, on_evict=self._on_kv_evicted)
+        self.registry = MambaPrefixRegistry()
+        first = config.num_live_slots + 1
+        self.snapshots = SnapshotPool(range(first, first + config.num_snapshot_slots),
+                                      on_evict=self._on_snapshot_evicted)
+        self._free_slots = list(range(config.num_live_slots, 0, -1))
+        self._seqs: dict[Hashable, _Sequence] = {}
+
+    # ---- queries --------------------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks obtainable now: free plus unreferenced cached (evictable) ones."""
+        return self.blocks.num_available
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    @property
+    def uses_snapshots(self) -> bool:
+        c = self.config
+        return c.hybrid and c.enable_prefix_caching and c.num_snapshot_slots > 0
+
+    def block_table(self, seq_id) -> list[int]:
+        return self._seq(seq_id).block_table
+
+    def can_admit(self, prompt_len: int) -> bool:
+        """Conservative: true if the prompt fits without any cache hit."""
+        return bool(self._free_slots) and -(-prompt_len // self.config.block_size) <= self.blocks.num_available
+
+    # ---- admission ------------------------------------------------------------------------------------------------
+    def admit(self, seq_id, prompt_token_ids: Sequence[int]) -> Admission | None:
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} is already admitted; free it first")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError(f"sequence {seq_id!r} has an empty prompt")
+        if not self._free_slots:
+            self.stats.admission_failures += 1
+            return None
+        bs = self.config.block_size
+        hashes = block_hashes(prompt_token_ids, bs)
+        matched: list[int] = []
+        if self.config.enable_prefix_caching:  # the last prompt token is never served from cache
+            matched = self.blocks.match(hashes[:(n - 1) // bs], prompt_token_ids, bs)
+        depth = self._resolve(hashes, matched)
+        self.blocks.acquire(matched[:depth])
+        fresh = self.blocks.allocate(-(-n // bs) - depth)
+        if fresh is None:
+            self.blocks.release(matched[:depth])
+            self.stats.admission_failures += 1
+            return None
+        seq = _Sequence(prompt_len=n, hashes=hashes, block_table=matched[:depth] + fresh,
+                        state_row=self._free_slots.pop(), num_cached_tokens=depth * bs, capture_plan=[])
+        restore_row = None
+        if depth and self.config.hybrid:
+            restore_row = self.snapshots.row_of(hashes[depth - 1])
+            self.snapshots.pin(restore_row)
+            self.snapshots.touch(hashes[depth - 1])
+            seq.pinned_row = restore_row
+            self.stats.snapshots_restored += 1
+        if self.uses_snapshots:
+            seq.capture_plan = [p for p in self._plan_captures(n, len(matched), depth)
+                                if depth * bs < p <= n and not self._has_snapshot(hashes[p // bs - 1])]
+        self._seqs[seq_id] = seq
+        s = self.stats
+        s.admissions += 1
+        s.prompt_tokens += n
+        s.reused_tokens += depth * bs
+        s.kv_matched_tokens += len(matched) * bs
+        s.lost_to_missing_state_tokens += (len(matched) - depth) * bs
+        self._track_peaks()
+        return Admission(depth * bs, seq.block_table, seq.state_row, restore_row, len(matched) * bs)
+
+    def capture_positions(self, seq_id) -> list[int]:
+        return list(self._seq(seq_id).capture_plan)
+
+    def reserve_capture(self, seq_id, position: int) -> int | None:
+        seq = self._seq(seq_id)
+        bs = self.config.block_size
+        if position % bs or not seq.num_cached_tokens < position <= seq.prompt_len:
+            raise ValueError(f"capture position {position} must be a multiple of {bs} in "
+                             f"({seq.num_cached_tokens}, {seq.prompt_len}]")
+        if position in seq.pending_captures:
+            return seq.pending_captures[position]
+        row = self.snapshots.reserve() if self.uses_snapshots else None
+        if row is not None:
+            seq.pending_captures[position] = row
+            self._track_peaks()
+        return row
+
+    def decode_capture_row(self, seq_id, position: int) -> int | None:
+        seq = self._seq(seq_id)
+        if position % self.config.block_size or position <= 0:
+            raise ValueError(f"decode capture position {position} must be a positive multiple of "
+                             f"{self.config.block_size}")
+        if seq.decode_row is None and self.uses_snapshots:
+            seq.decode_row = self.snapshots.reserve()
+            self._track_peaks()
+        if seq.decode_row is not None:
+            seq.decode_position = position
+        return seq.decode_row
+
+    def append_slots(self, seq_id, num_tokens: int) -> bool:
+        seq = self._seq(seq_id)
+        need = -(-num_tokens // self.config.block_size) - len(seq.block_table)
+        if need <= 0:
+            return True
+        fresh = self.blocks.allocate(need)
+        if fresh is None:
+            return False
+        seq.block_table.extend(fresh)
+        self._track_peaks()
+        return True
+
+    # ---- after a step ---------------------------------------------------------------------------------------------
+    def commit(self, seq_id, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        seq = self._seq(seq_id)
+        self._publish(seq, token_ids, num_computed_tokens)
+        for position in sorted(p for p in seq.pending_captures if p <= num_computed_tokens):
+            self._register(seq, position, seq.pending_captures.pop(position))
+        self._unpin(seq)
+
+    def free(self, seq_id, token_ids: Sequence[int], num_computed_tokens: int, finished: bool) -> None:
+        """Release a sequence. Published blocks stay matchable; reserved captures whose step ran and the decode
+        tracking snapshot (if its position was computed) are registered, the other reserved rows freed. A preempted
+        sequence's tracking snapshot is kept too: it is exact, and its re-admission will match it."""
+        seq = self._seqs.pop(seq_id)
+        self._publish(seq, token_ids, num_computed_tokens)
+        for position, row in sorted(seq.pending_captures.items()):
+            if position <= num_computed_tokens:
+                self._register(seq, position, row)
+            else:
+                self.snapshots.release(row)
+        if seq.decode_row is not None:
+            if 0 < seq.decode_position <= num_computed_tokens:
+                self._register(seq, seq.decode_position, seq.decode_row)
+            else:
+                self.snapshots.release(seq.decode_row)
+        self._unpin(seq)
+        self.blocks.release(reversed(seq.block_table))
+        self._free_slots.append(seq.state_row)
+
+    # ---- eviction and clearing --------------------------------------------------------------------------------------
+    def evict_cached_blocks(self, num_blocks: int) -> list[int]:
+        return self.blocks.evict(num_blocks)
+
+    def evict_until_free(self, min_free: int) -> list[int]:
+        return self.blocks.evict_until_free(min_free)
+
+    def clear_prefix_cache(self) -> list[int]:
+        evicted = self.blocks.clear_prefix_cache()
+        for seq in self._seqs.values():
+            seq.publish_cursor = 0
+        return evicted
+
+    # ---- policy (subclasses in the benchmark model other engines by overriding these) -----------------------------
+    def _plan_captures(self, prompt_len: int, kv_matched_blocks: int, restored_blocks: int) -> list[int]:
+        """Last block boundary the same prompt can reuse (<= prompt_len - 1), the prompt end if it is a boundary
+        (a longer prompt extending this one), and the branch point where the KV match outran the state match."""
+        bs = self.config.block_size
+        positions = {(prompt_len - 1) // bs * bs}
+        if prompt_len % bs == 0:
+            positions.add(prompt_len)
+        if kv_matched_blocks > restored_blocks:
+            positions.add(kv_matched_blocks * bs)
+        return sorted(p for p in positions if p > 0)
+
+    def _resolve(self, hashes: list[bytes], matched: list[int]) -> int:
+        if not self.config.hybrid:
+            return len(matched)
+        return self.registry.resolve_mamba_matched_blocks(hashes[:len(matched)], matched, self.snapshots.__contains__)
+
+    def _publish(self, seq: _Sequence, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Publish the sequence's full blocks below num_tokens in chain order. A block whose hash another block
+        already caches stays private (a 'twin'); the cursor only passes it once a later block is published under it,
+        since a cached block with cached children cannot be evicted."""
+        if not self.config.enable_prefix_caching:
+            return
+        bs = self.config.block_size
+        full = num_tokens // bs
+        extend_block_hashes(seq.hashes, token_ids, bs, full)
+        for i in range(seq.publish_cursor, full):
+            h, own = seq.hashes[i], seq.block_table[i]
+            cached = self.blocks.cached_block(h)
+            if cached is None:
+                self.blocks.publish(own, h, seq.hashes[i - 1] if i else None, token_ids[i * bs:(i + 1) * bs])
+                seq.publish_cursor = i + 1
+            elif cached == own:
+                seq.publish_cursor = i + 1
+
+    def _register(self, seq: _Sequence, position: int, row: int) -> None:
+        prefix_hash = seq.hashes[position // self.config.block_size - 1]
+        terminal = self.blocks.cached_block(prefix_hash)
+        if terminal is None:  # its KV is not cached (prefix caching off, or cleared): the state is useless
+            self.snapshots.release(row)
+            return
+        self.registry.capture_mamba_prefix_state(prefix_hash, terminal)
+        self.snapshots.register(prefix_hash, row)
+        self.stats.snapshots_captured += 1
+
+    def _has_snapshot(self, prefix_hash: bytes) -> bool:
+        return prefix_hash in self.registry.valid_mamba_prefix_hashes and prefix_hash in self.snapshots
+
+    def _on_kv_evicted(self, block_ids: list[int]) -> None:
+        self.stats.kv_blocks_evicted += len(block_ids)
+        for prefix_hash in self.registry.handle_mamba_prefix_evicted_blocks(block_ids):
+            if self.snapshots.discard(prefix_hash):
+                self.stats.snapshots_invalidated += 1
+
+    def _on_snapshot_evicted(self, prefix_hash: bytes) -> None:
+        self.registry.invalidate_mamba_prefix_hash(prefix_hash)
+        self.stats.snapshots_evicted += 1
+
+    # ---- internals ------------------------------------------------------------------------------------------------
+    def _seq(self, seq_id) -> _Sequence:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"sequence {seq_id!r} is not admitted")
+        return seq
+
+    def _unpin(self, seq: _Sequence) -> None:
+        if seq.pinned_row is not None:
+            self.snapshots.unpin(seq.pinned_row)
+            seq.pinned_row = None
+
+    def _track_peaks(self) -> None:
+        s = self.stats
+        s.peak_blocks_in_use = max(s.peak_blocks_in_use, self.blocks.num_used)
+        s.peak_slots_in_use = max(s.peak_slots_in_use, self.config.num_live_slots - len(self._free_slots))
+        s.peak_snapshot_rows_in_use = max(s.peak_snapshot_rows_in_use, self.snapshots.num_in_use)

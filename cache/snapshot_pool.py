@@ -1,0 +1,127 @@
+"""Rows of the device state buffer that hold mamba prefix snapshots (plain Python, no jax).
+
+A row is free, reserved (a step is writing a state into it; not restorable yet), or holds a registered snapshot
+keyed by its prefix hash. Registered snapshots are evicted least recently used first, lower `priority` classes
+before higher ones; pinned rows (a restore is scheduled from them) are never evicted or freed until unpinned.
+Discarding a pinned snapshot unregisters it at once and frees its row at the last unpin.
+"""
+from collections import OrderedDict
+from typing import Callable, Iterable
+
+NUM_PRIORITIES = 2
+
+
+class SnapshotPool:
+    def __init__(self, rows: Iterable[int], on_evict: Callable[[bytes], None] | None = None):
+        self.rows = tuple(rows)
+        self.on_evict = on_evict or (lambda prefix_hash: None)
+        self._free = list(reversed(self.rows))
+        self._reserved: set[int] = set()
+        self._lru: list[OrderedDict[bytes, int]] = [OrderedDict() for _ in range(NUM_PRIORITIES)]
+        self._priority: dict[bytes, int] = {}
+        self._pins: dict[int, int] = {}
+        self._doomed: set[int] = set()
+
+    @property
+    def capacity(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_registered(self) -> int:
+        return len(self._priority)
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self._reserved)
+
+    @property
+    def num_in_use(self) -> int:
+        return len(self.rows) - len(self._free)
+
+    def __contains__(self, prefix_hash: bytes) -> bool:
+        return prefix_hash in self._priority
+
+    def row_of(self, prefix_hash: bytes) -> int | None:
+        p = self._priority.get(prefix_hash)
+        return None if p is None else self._lru[p][prefix_hash]
+
+    def registered(self) -> dict[bytes, int]:
+        return {h: lru[h] for lru in self._lru for h in lru}
+
+    def reserve(self) -> int | None:
+        """A row to write a new snapshot into, evicting the LRU unpinned snapshot if none is free."""
+        if not self._free and self.evict_lru() is None:
+            return None
+        row = self._free.pop()
+        self._reserved.add(row)
+        return row
+
+    def release(self, row: int) -> None:
+        """Give back a reserved row that will not be registered."""
+        self._reserved.remove(row)
+        self._free.append(row)
+
+    def register(self, prefix_hash: bytes, row: int, priority: int = NUM_PRIORITIES - 1) -> None:
+        """A reserved row now holds the state for prefix_hash; an older row for the same hash is dropped."""
+        self._reserved.remove(row)
+        self.discard(prefix_hash)
+        self._priority[prefix_hash] = priority
+        self._lru[priority][prefix_hash] = row
+
+    def touch(self, prefix_hash: bytes) -> None:
+        self._lru[self._priority[prefix_hash]].move_to_end(prefix_hash)
+
+    def demote(self, prefix_hash: bytes) -> None:
+        """Move a snapshot to the front of the lowest priority class (first to be evicted)."""
+        p = self._priority.get(prefix_hash)
+        if p is None:
+            return
+        row = self._lru[p].pop(prefix_hash)
+        self._priority[prefix_hash] = 0
+        self._lru[0][prefix_hash] = row
+        self._lru[0].move_to_end(prefix_hash, last=False)
+
+    def pin(self, row: int) -> None:
+        self._pins[row] = self._pins.get(row, 0) + 1
+
+    def unpin(self, row: int) -> None:
+        n = self._pins[row] - 1
+        if n:
+            self._pins[row] = n
+            return
+        del self._pins[row]
+        if row in self._doomed:
+            self._doomed.remove(row)
+            self._free.append(row)
+
+    def discard(self, prefix_hash: bytes) -> bool:
+        """Unregister a snapshot and free its row (at the last unpin if pinned)."""
+        p = self._priority.pop(prefix_hash, None)
+        if p is None:
+            return False
+        row = self._lru[p].pop(prefix_hash)
+        if row in self._pins:
+            self._doomed.add(row)
+        else:
+            self._free.append(row)
+        return True
+
+    def evict_lru(self) -> bytes | None:
+        """Evict the least recently used unpinned snapshot (lowest priority first) and report it to on_evict."""
+        for lru in self._lru:
+            for prefix_hash, row in lru.items():
+                if row not in self._pins:
+                    self.discard(prefix_hash)
+                    self.on_evict(prefix_hash)
+                    return prefix_hash
+        return None
+
+    def clear(self) -> list[bytes]:
+        dropped = list(self._priority)
+        for prefix_hash in dropped:
+            self.discard(prefix_hash)
+        return dropped

@@ -1,0 +1,62 @@
+"""Causal depthwise conv1d + SiLU over state rows: chunked (prefill groups) and single-step (decode) forms.
+
+Math, per channel c with kernel width K:  y_t[c] = silu( sum_{j<K} w[c, j] * x_{t-K+1+j}[c] ),
+where inputs before the segment start come from the conv state: the last K-1 inputs the sequence has seen
+(zeros for a fresh sequence). The conv state is stored time-major, [R, K-1, D], one row per live sequence or
+snapshot; row 0 is the dummy (see docs/CONTRACTS.md). After a group of n tokens the new state is the last K-1
+entries of [halo | x_0..x_{n-1}], where halo is the state entering the group.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _initial_windows(conv_state, read_row):
+    """[N, K-1, D] state entering each group's segment; row -1 means zeros."""
+    init = conv_state[jnp.maximum(read_row, 0)]
+    return jnp.where((read_row >= 0)[:, None, None], init, jnp.zeros_like(init))
+
+
+def _write_rows(conv_state, tails, write_row, is_last, capture_row):
+    tails = tails.astype(conv_state.dtype)
+    conv_state = conv_state.at[jnp.where(is_last, write_row, 0)].set(tails)
+    return conv_state.at[capture_row].set(tails)
+
+
+def _conv_silu(ext, weight):
+    """ext [..., L + K - 1, D], weight [D, K] -> silu(conv) [..., L, D] in float32."""
+    width = weight.shape[1]
+    length = ext.shape[-2] - width + 1
+    w = weight.astype(jnp.float32)
+    acc = sum(ext[..., j:j + length, :].astype(jnp.float32) * w[:, j] for j in range(width))
+    return jax.nn.silu(acc)
+
+
+def causal_conv1d_chunked_reference(x, weight, conv_state, length, read_row, write_row, capture_row, is_first,
+                                    is_last):
+    """x: [N, C, D] groups; weight: [D, K]; conv_state: [R, K-1, D]; length, rows: [N]; is_first/is_last: [N] bool.
+    Returns (y [N, C, D] in x.dtype, new conv_state)."""
+    n, c, d = x.shape
+    halo_len = weight.shape[1] - 1
+    init = _initial_windows(conv_state, read_row).astype(x.dtype)
+
+    def step(prev_tail, xs):
+        first, init_c, x_c, len_c = xs
+        halo = jnp.where(first, init_c, prev_tail)
+        ext = jnp.concatenate([halo, x_c], axis=0)                         # [K-1+C, D]
+        tail = jax.lax.dynamic_slice_in_dim(ext, len_c, halo_len, axis=0)
+        return tail, (halo, tail)
+
+    _, (halos, tails) = jax.lax.scan(step, jnp.zeros((halo_len, d), x.dtype), (is_first, init, x, length))
+    y = _conv_silu(jnp.concatenate([halos, x], axis=1), weight)
+    valid = jnp.arange(c)[None, :, None] < length[:, None, None]
+    y = jnp.where(valid, y, 0.0).astype(x.dtype)
+    return y, _write_rows(conv_state, tails, write_row, is_last, capture_row)
+
+
+def causal_conv1d_update_reference(x, weight, conv_state, read_row, write_row, capture_row):
+    """One token per row. x: [N, D]; returns (y [N, D], new conv_state)."""
+    window = jnp.concatenate([_initial_windows(conv_state, read_row).astype(x.dtype), x[:, None, :]], axis=1)
+    y = _conv_silu(window, weight)[:, 0].astype(x.dtype)
+    return y, _write_rows(conv_state, window[:, 1:], write_row, jnp.ones_like(read_row, bool), capture_row)

@@ -1,0 +1,138 @@
+"""Gated delta rule over state rows: chunked (prefill) and recurrent (decode) forms.
+
+Math (per value head h, state S in R^{dk x dv}, float32; v head h reads q/k head h // r, r = Hv / Hk):
+    S <- exp(g_t) * S                      decay first
+    delta_t = beta_t * (v_t - S^T k_t)     prediction from the decayed state
+    S <- S + k_t delta_t^T                 rank-1 update
+    o_t = S^T q_t                          read after the update (token t sees itself)
+q and k arrive L2-normalised, q already scaled by dk^-1/2; g <= 0 is the log decay, beta in (0, 1).
+
+Chunked form (chunk of C rows i, j; S the state entering the chunk; G the inclusive cumsum of g):
+    Gamma_ij = exp(G_i - G_j) for i >= j else 0          (masked before exp: no overflow)
+    T = (I + strict_lower(diag(beta) K K^T * Gamma))^-1    (unit lower triangular, the UT/WY transform)
+    U = T diag(beta) V,   W = T diag(beta exp(G)) K,   V' = U - W S
+    O = diag(exp(G)) Q S + ((Q K^T) * Gamma) V'
+    S_next = exp(G_last) S + (diag(exp(G_last - G)) K)^T V'
+We fold the S-dependence into two per-chunk matrices so that the only sequential work is a small matmul chain:
+    O = A S + O_intra,        A = diag(exp(G)) Q - ((Q K^T) * Gamma) W,   O_intra = ((Q K^T) * Gamma) U
+    S_next = M S + B,         M = exp(G_last) I - Kd^T W,                 B = Kd^T U,   Kd = diag(exp(G_last - G)) K
+
+Rows layout (see docs/CONTRACTS.md): the state pool has R rows [R, Hv, dk, dv]; row 0 is a dummy that padding
+writes into. Each group (one chunk of one sequence's segment) reads its initial state from `read_row` when it is
+the first group of its segment (-1 means a zero state), writes its end state to `write_row` when it is the last,
+and to `capture_row` (0 = none) always. Groups of one segment are consecutive and in order.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _expand_heads(x, num_v_heads):
+    """[..., Hk, d] -> [..., Hv, d]: v head h uses q/k head h // r (repeat_interleave, not tile)."""
+    r = num_v_heads // x.shape[-2]
+    return x if r == 1 else jnp.repeat(x, r, axis=-2)
+
+
+def _gather_rows(pool, rows):
+    """Initial states for `rows` ([N]); row -1 means a zero state."""
+    init = pool[jnp.maximum(rows, 0)]
+    return jnp.where((rows >= 0)[:, None, None, None], init, 0.0)
+
+
+def _write_rows(pool, states, write_row, is_last, capture_row):
+    """End states go to the live row (last group of a segment) and to the capture row (0 = dummy)."""
+    pool = pool.at[jnp.where(is_last, write_row, 0)].set(states)
+    return pool.at[capture_row].set(states)
+
+
+def chunk_gated_delta_rule_reference(q, k, v, g, beta, length, state, read_row, write_row, capture_row,
+                                     is_first, is_last):
+    """Pure-jnp chunked gated delta rule over groups; the CPU fast path and the Pallas oracle.
+
+    q, k: [N, C, Hk, dk]  v: [N, C, Hv, dv]  g, beta: [N, C, Hv]  length: [N] valid rows per group
+    state: [R, Hv, dk, dv] float32; read_row, write_row, capture_row: [N] int32; is_first, is_last: [N] bool
+    Returns (o [N, C, Hv, dv] float32, new state pool).
+    """
+    n, c, _, _ = q.shape
+    hv = v.shape[2]
+    valid = jnp.arange(c)[None, :] < length[:, None]                       # [N, C]
+    f32 = jnp.float32
+    q = jnp.where(valid[..., None, None], _expand_heads(q.astype(f32), hv), 0.0)
+    k = jnp.where(valid[..., None, None], _expand_heads(k.astype(f32), hv), 0.0)
+    v = v.astype(f32)
+    g = jnp.where(valid[..., None], g.astype(f32), 0.0)
+    beta = jnp.where(valid[..., None], beta.astype(f32), 0.0)
+
+    # Heads first: [N, Hv, C, d].
+    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+    g, beta = jnp.swapaxes(g, 1, 2), jnp.swapaxes(beta, 1, 2)
+    big_g = jnp.cumsum(g, axis=-1)                                          # [N, Hv, C]
+    causal = jnp.tril(jnp.ones((c, c), bool))
+    diff = big_g[..., :, None] - big_g[..., None, :]
+    gamma = jnp.exp(jnp.where(causal, diff, -jnp.inf))                      # [N, Hv, C, C], incl. diagonal
+
+    kk = jnp.einsum("nhid,nhjd->nhij", k, k, precision=_HIGHEST)
+    strict = jnp.tril(jnp.ones((c, c), bool), -1)
+    lower = jnp.where(strict, beta[..., :, None] * kk * gamma, 0.0)
+    eye = jnp.eye(c, dtype=f32)
+    t_mat = jax.scipy.linalg.solve_triangular(eye + lower, jnp.broadcast_to(eye, lower.shape), lower=True,
+                                              unit_diagonal=True)
+    u = jnp.einsum("nhij,nhjd->nhid", t_mat, beta[..., None] * v, precision=_HIGHEST)
+    w = jnp.einsum("nhij,nhjd->nhid", t_mat, (beta * jnp.exp(big_g))[..., None] * k, precision=_HIGHEST)
+
+    qk = jnp.einsum("nhid,nhjd->nhij", q, k, precision=_HIGHEST) * gamma
+    a_mat = jnp.exp(big_g)[..., None] * q - jnp.einsum("nhij,nhjd->nhid", qk, w, precision=_HIGHEST)
+    o_intra = jnp.einsum("nhij,nhjd->nhid", qk, u, precision=_HIGHEST)
+    g_last = big_g[..., -1]                                                 # padded rows have g = 0
+    kd = jnp.exp(g_last[..., None] - big_g)[..., None] * k
+    m_mat = (jnp.exp(g_last)[..., None, None] * jnp.eye(k.shape[-1], dtype=f32)
+             - jnp.einsum("nhik,nhil->nhkl", kd, w, precision=_HIGHEST))
+    b_mat = jnp.einsum("nhik,nhiv->nhkv", kd, u, precision=_HIGHEST)
+
+    init = _gather_rows(state, read_row)
+
+    def step(prev, xs):
+        first, init_c, m_c, b_c = xs
+        s_in = jnp.where(first, init_c, prev)
+        s_out = jnp.einsum("hkl,hlv->hkv", m_c, s_in, precision=_HIGHEST) + b_c
+        return s_out, (s_in, s_out)
+
+    _, (s_in, s_out) = jax.lax.scan(step, jnp.zeros_like(init[0]), (is_first, init, m_mat, b_mat))
+    o = jnp.einsum("nhik,nhkv->nhiv", a_mat, s_in, precision=_HIGHEST) + o_intra
+    o = jnp.where(valid[:, None, :, None], o, 0.0)
+    return jnp.swapaxes(o, 1, 2), _write_rows(state, s_out, write_row, is_last, capture_row)
+
+
+def recurrent_gated_delta_rule_reference(q, k, v, g, beta, state, read_row, write_row, capture_row):
+    """One token per row (decode). q, k: [N, Hk, dk]  v: [N, Hv, dv]  g, beta: [N, Hv]; rows as in the chunked form
+    with is_first = is_last = True. Returns (o [N, Hv, dv] float32, new state pool)."""
+    hv = v.shape[1]
+    f32 = jnp.float32
+    q, k = _expand_heads(q.astype(f32), hv), _expand_heads(k.astype(f32), hv)
+    s = _gather_rows(state, read_row) * jnp.exp(g.astype(f32))[..., None, None]
+    pred = jnp.einsum("nhk,nhkv->nhv", k, s, precision=_HIGHEST)
+    delta = beta.astype(f32)[..., None] * (v.astype(f32) - pred)
+    s = s + k[..., :, None] * delta[..., None, :]
+    o = jnp.einsum("nhk,nhkv->nhv", q, s, precision=_HIGHEST)
+    return o, _write_rows(state, s, write_row, jnp.ones_like(read_row, bool), capture_row)
+
+
+def gated_delta_rule_token_scan(q, k, v, g, beta, initial_state=None):
+    """Token-by-token oracle for ONE sequence: q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv].
+    Returns (o [T, Hv, dv], final state [Hv, dk, dv]), all float32."""
+    hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
+    q, k = _expand_heads(q.astype(jnp.float32), hv), _expand_heads(k.astype(jnp.float32), hv)
+    s0 = jnp.zeros((hv, dk, dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+
+    def step(s, xs):
+        q_t, k_t, v_t, g_t, b_t = xs
+        s = s * jnp.exp(g_t)[:, None, None]
+        delta = b_t[:, None] * (v_t - jnp.einsum("hk,hkv->hv", k_t, s, precision=_HIGHEST))
+        s = s + k_t[:, :, None] * delta[:, None, :]
+        return s, jnp.einsum("hk,hkv->hv", q_t, s, precision=_HIGHEST)
+
+    s, o = jax.lax.scan(step, s0, (q, k, v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32)))
+    return o, s

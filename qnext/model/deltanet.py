@@ -1,0 +1,62 @@
+"""Gated DeltaNet (linear attention) over per-sequence state rows.
+
+Order (as the reference): fused projection -> causal conv1d + SiLU over [q | k | v] -> split -> L2-normalise q, k
+(eps 1e-6 added to the sum of squares) -> q * dk^-1/2 -> beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)
+-> gated delta rule (state float32) -> gated RMSNorm with z -> out_proj.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels as ops
+from qnext.config import ModelConfig
+from qnext.model.groups import from_groups, to_decode, to_prefill
+from qnext.model.norms import gated_rms_norm
+from qnext.model.step_inputs import StepInputs
+
+
+def _l2_normalize(x):
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def _rule_inputs(mixed, b, a, p, cfg: ModelConfig):
+    """Conv outputs [..., conv_dim] and b, a [..., Hv] -> q, k [..., Hk, dk], v [..., Hv, dv], g, beta (f32)."""
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    lead = mixed.shape[:-1]
+    q, k, v = jnp.split(mixed, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
+    q = _l2_normalize(q.reshape(lead + (hk, dk))) * dk ** -0.5
+    k = _l2_normalize(k.reshape(lead + (hk, dk)))
+    v = v.reshape(lead + (hv, dv))
+    beta = jax.nn.sigmoid(b.astype(jnp.float32))
+    g = -jnp.exp(p["A_log"]) * jax.nn.softplus(a.astype(jnp.float32) + p["dt_bias"])
+    return q, k, v, g, beta
+
+
+def gated_deltanet(p, x, conv_state, recurrent_state, inputs: StepInputs, cfg: ModelConfig):
+    """x: [T, H]. Returns (out [T, H], conv_state, recurrent_state)."""
+    t = x.shape[0]
+    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    proj = x @ p["in_proj"]
+    mixed, z, b, a = jnp.split(proj, [cfg.conv_dim, cfg.conv_dim + cfg.value_dim, cfg.conv_dim + cfg.value_dim + hv],
+                               axis=-1)
+    dec, pre = inputs.decode, inputs.prefill
+
+    mixed_d, conv_state = ops.causal_conv1d_update(to_decode(mixed, inputs), p["conv_weight"], conv_state,
+                                                   dec.read_row, dec.write_row, dec.capture_row)
+    mixed_p, conv_state = ops.causal_conv1d_chunked(to_prefill(mixed, inputs), p["conv_weight"], conv_state,
+                                                    pre.length, pre.read_row, pre.write_row, pre.capture_row,
+                                                    pre.is_first, pre.is_last)
+
+    q, k, v, g, beta = _rule_inputs(mixed_d, to_decode(b, inputs), to_decode(a, inputs), p, cfg)
+    out_d, recurrent_state = ops.recurrent_gated_delta_rule(q, k, v, g, beta, recurrent_state, dec.read_row,
+                                                            dec.write_row, dec.capture_row)
+    q, k, v, g, beta = _rule_inputs(mixed_p, to_prefill(b, inputs), to_prefill(a, inputs), p, cfg)
+    out_p, recurrent_state = ops.chunk_gated_delta_rule(q, k, v, g, beta, pre.length, recurrent_state, pre.read_row,
+                                                        pre.write_row, pre.capture_row, pre.is_first, pre.is_last)
+
+    out = from_groups(out_d, out_p, inputs).astype(x.dtype)                       # [T, Hv, dv]
+    out = gated_rms_norm(out, z.reshape(t, hv, dv), p["norm"], cfg.rms_norm_eps)
+    return out.reshape(t, hv * dv) @ p["out_proj"], conv_state, recurrent_state

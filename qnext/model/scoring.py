@@ -1,0 +1,69 @@
+"""`load_model(path).logits(token_ids)`: full-prompt scoring through the engine's own step function."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from qnext.config import ModelConfig
+from qnext.model.cache_buffers import allocate_cache_buffers
+from qnext.model.forward import make_step
+from qnext.model.loader import load_params
+from qnext.model.step_inputs import LayoutSizes, Segment, build_step_inputs
+from qnext.model.weights import as_dtype
+
+SCORING_BLOCK_SIZE = 16
+SCORING_CHUNK = 64
+
+
+def _bucket(n: int, minimum: int = 16) -> int:
+    return max(minimum, 1 << (n - 1).bit_length())
+
+
+@dataclasses.dataclass
+class Model:
+    config: ModelConfig
+    params: dict
+    dtype: np.dtype
+
+    def __post_init__(self):
+        self._step = make_step(self.config)
+
+    def vocab_check(self, token_ids) -> np.ndarray:
+        ids = np.asarray(token_ids, np.int64).reshape(-1)
+        if ids.size == 0:
+            raise ValueError("token_ids is empty")
+        bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
+        if bad.size:
+            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {self.config.vocab_size})")
+        return ids
+
+    def logits(self, token_ids) -> np.ndarray:
+        """Logits [len(token_ids), vocab_size] (float32) of one sequence, computed in one prefill step."""
+        ids = self.vocab_check(token_ids)
+        n = len(ids)
+        num_tokens = _bucket(n)
+        blocks = -(-num_tokens // SCORING_BLOCK_SIZE)
+        buffers = allocate_cache_buffers(self.config, num_blocks=blocks + 1, block_size=SCORING_BLOCK_SIZE,
+                                         num_state_rows=2, dtype=self.dtype)
+        seg = Segment(token_ids=ids.tolist(), start=0, block_table=list(range(1, blocks + 1)), read_row=-1,
+                      write_row=1, all_logits=True)
+        sizes = LayoutSizes(num_tokens=num_tokens, num_decode=0, num_chunks=-(-num_tokens // SCORING_CHUNK) or 1,
+                            max_blocks=blocks, num_logits=num_tokens)
+        if n == 1:
+            sizes = dataclasses.replace(sizes, num_decode=1)
+        inputs = build_step_inputs([seg], sizes, block_size=SCORING_BLOCK_SIZE, chunk=SCORING_CHUNK)
+        logits, _ = self._step(self.params, buffers, inputs)
+        return np.asarray(logits[:n])
+
+
+def load_model(path: str | Path, dtype: str = "float32", cache_dir: str | Path | None = None) -> Model:
+    """Loads a Hugging Face Qwen3-Next / Qwen3.5 checkpoint directory for scoring."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} is not a checkpoint directory: config.json is missing")
+    cfg = ModelConfig.from_pretrained(path)
+    dt = as_dtype(dtype)
+    return Model(config=cfg, params=load_params(path, cfg, dt, cache_dir=cache_dir), dtype=dt)

@@ -1,0 +1,287 @@
+"""Tiny random checkpoints in real Hugging Face format (no torch needed), for tests and the demo.
+
+`write_tiny_checkpoint` writes what transformers' `save_pretrained` writes: config.json, generation_config.json,
+model.safetensors (or shards + index) with HF names and layouts (Qwen3-Next's per-key-head interleaved
+`in_proj_qkvz` / `in_proj_ba`, Qwen3.5's split projections, the VLM `model.language_model.` prefix), plus tokenizer
+files. Every parameter is randomly perturbed (norm weights, A_log, dt_bias too) so convention bugs show up, and
+matrices are scaled so logits are not tiny.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+_TEXT_TYPE = {"qwen3_next": "qwen3_next", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+_CAUSAL_LM = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+_VLM = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+_TINY_VISION = {
+    "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "in_channels": 3, "patch_size": 4,
+    "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 16, "hidden_act": "gelu_pytorch_tanh",
+}
+DEMO_FAMILY = "qwen3_5_moe"
+_DEMO_VERSION = 1  # bump when the demo recipe changes so cached demos are rebuilt
+
+
+def tiny_hf_config(family: str, **overrides: Any) -> dict[str, Any]:
+    """The flat text config dict (model_type qwen3_next / qwen3_5_text / qwen3_5_moe_text) of a tiny model."""
+    if family not in FAMILIES:
+        raise ValueError(f"family {family!r} is not one of {FAMILIES}")
+    lin, full = "linear_attention", "full_attention"
+    cfg: dict[str, Any] = {
+        "architectures": [_CAUSAL_LM[family]],
+        "model_type": _TEXT_TYPE[family],
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "layer_types": [lin, lin, lin, full],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "dtype": "float32",
+    }
+    if family != "qwen3_5_moe":
+        cfg["intermediate_size"] = 96
+    if family != "qwen3_5":
+        cfg.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                   output_router_logits=False, router_aux_loss_coef=0.001)
+    if family == "qwen3_next":
+        # layer 1 is a dense MLP; top-k weights are not renormalised (Qwen3.5-MoE always renormalises)
+        cfg.update(decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=False)
+    else:
+        cfg["rope_parameters"].update(mrope_section=[2, 1, 1], mrope_interleaved=True)
+    cfg.update(overrides)
+    return cfg
+
+
+def write_tiny_checkpoint(
+    out_dir: str | Path,
+    family: str,
+    seed: int = 0,
+    dtype: str = "float32",
+    vlm: bool = False,
+    fused_experts: bool = False,
+    num_shards: int = 1,
+    tie_word_embeddings: bool = False,
+    **config_overrides: Any,
+) -> Path:
+    """Writes a random tiny checkpoint of `family` into `out_dir` and returns its path."""
+    from qnext.config import ModelConfig
+    from qnext.model.weights import as_dtype
+
+    if vlm and family not in _VLM:
+        raise ValueError(f"family {family!r} has no VLM checkpoint layout; vlm=True needs qwen3_5 or qwen3_5_moe")
+    np_dtype = as_dtype(dtype)
+    text = tiny_hf_config(family, tie_word_embeddings=tie_word_embeddings, dtype=np_dtype.name, **config_overrides)
+    if vlm:
+        vision = dict(_TINY_VISION, out_hidden_size=text["hidden_size"], model_type=f"{family}_vision")
+        config = {
+            "architectures": [_VLM[family]],
+            "model_type": family,
+            "text_config": {k: v for k, v in text.items() if k != "architectures"},
+            "vision_config": vision,
+            "image_token_id": 500, "video_token_id": 501, "vision_start_token_id": 502, "vision_end_token_id": 503,
+            "tie_word_embeddings": tie_word_embeddings,
+            "dtype": np_dtype.name,
+        }
+    else:
+        config = text
+    cfg = ModelConfig.from_hf_config(config)
+
+    rng = np.random.default_rng(seed)
+    tensors = _text_tensors(cfg, rng, fused_experts)
+    if vlm:
+        tensors = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+                   for k, v in tensors.items()}
+        tensors.update(_vision_tensors(config["vision_config"], rng))
+    tensors = {k: v.astype(np_dtype) for k, v in sorted(tensors.items())}
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(out / "config.json", config)
+    _write_safetensors(out, tensors, num_shards)
+    tokenizer_eos = _write_tokenizer(out, cfg.vocab_size)
+    # As in Qwen releases, generation stops at the config's eos and at the tokenizer's end-of-turn token.
+    eos = [text["eos_token_id"]] + ([tokenizer_eos] if tokenizer_eos != text["eos_token_id"] else [])
+    generation = {"bos_token_id": text["bos_token_id"], "eos_token_id": eos, "pad_token_id": text["pad_token_id"],
+                  "do_sample": False}
+    _write_json(out / "generation_config.json", generation)
+    return out
+
+
+def demo_checkpoint_dir(root: str | Path | None = None) -> Path:
+    """The tiny demo checkpoint (built once; `~/.cache/qnext/demo` unless `root` is given)."""
+    root = Path(root) if root is not None else Path.home() / ".cache" / "qnext" / "demo"
+    path = root / f"{DEMO_FAMILY}-v{_DEMO_VERSION}"
+    if (path / "config.json").exists():
+        return path
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
+    try:
+        write_tiny_checkpoint(tmp, DEMO_FAMILY, seed=0)
+        os.replace(tmp, path)  # atomic; a concurrent builder that lost the race leaves its copy behind
+    except OSError:
+        if not (path / "config.json").exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+# ---- tensors -------------------------------------------------------------------------------------------------------
+def _text_tensors(cfg, rng: np.random.Generator, fused_experts: bool) -> dict[str, np.ndarray]:
+    """HF-named float32 tensors of the decoder ([out, in] matrices)."""
+    H, V = cfg.hidden_size, cfg.vocab_size
+
+    def mat(*shape: int, std: float = 0.08) -> np.ndarray:
+        return (std * rng.standard_normal(shape)).astype(np.float32)
+
+    def zc_norm(n: int) -> np.ndarray:  # zero-centred RMSNorm weight (applied as 1 + w)
+        return (0.2 * rng.standard_normal(n)).astype(np.float32)
+
+    t: dict[str, np.ndarray] = {"model.embed_tokens.weight": mat(V, H, std=0.5), "model.norm.weight": zc_norm(H)}
+    if not cfg.tie_word_embeddings:
+        t["lm_head.weight"] = mat(V, H, std=0.15)
+    Hk, Hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = zc_norm(H)
+        t[p + "post_attention_layernorm.weight"] = zc_norm(H)
+        if cfg.is_linear_layer(i):
+            a = p + "linear_attn."
+            q, k, v, z = mat(Hk * dk, H), mat(Hk * dk, H), mat(Hv * dv, H), mat(Hv * dv, H)
+            b, a_ = mat(Hv, H, std=0.2), mat(Hv, H, std=0.2)
+            if cfg.model_type == "qwen3_next":
+                t[a + "in_proj_qkvz.weight"], t[a + "in_proj_ba.weight"] = _interleave_qkvz_ba(cfg, q, k, v, z, b, a_)
+            else:
+                t[a + "in_proj_qkv.weight"] = np.concatenate([q, k, v])
+                t[a + "in_proj_z.weight"], t[a + "in_proj_b.weight"], t[a + "in_proj_a.weight"] = z, b, a_
+            t[a + "conv1d.weight"] = mat(cfg.conv_dim, 1, cfg.linear_conv_kernel_dim, std=0.3)
+            t[a + "A_log"] = np.log(rng.uniform(1.0, 16.0, Hv)).astype(np.float32)
+            t[a + "dt_bias"] = (1.0 + 0.3 * rng.standard_normal(Hv)).astype(np.float32)
+            t[a + "norm.weight"] = (1.0 + 0.2 * rng.standard_normal(dv)).astype(np.float32)
+            t[a + "out_proj.weight"] = mat(H, Hv * dv)
+        else:
+            a = p + "self_attn."
+            t[a + "q_proj.weight"] = mat(2 * Hq * D, H)
+            t[a + "k_proj.weight"] = mat(Hkv * D, H)
+            t[a + "v_proj.weight"] = mat(Hkv * D, H)
+            t[a + "o_proj.weight"] = mat(H, Hq * D)
+            t[a + "q_norm.weight"], t[a + "k_norm.weight"] = zc_norm(D), zc_norm(D)
+            if cfg.attention_bias:
+                for n, rows in (("q", 2 * Hq * D), ("k", Hkv * D), ("v", Hkv * D), ("o", H)):
+                    t[f"{a}{n}_proj.bias"] = mat(rows, std=0.05)
+        m = p + "mlp."
+        if cfg.is_moe_layer(i):
+            E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+            t[m + "gate.weight"] = mat(E, H, std=0.2)
+            gate_up, down = mat(E, 2 * I, H), mat(E, H, I)
+            if fused_experts:
+                t[m + "experts.gate_up_proj"], t[m + "experts.down_proj"] = gate_up, down
+            else:
+                for e in range(E):
+                    t[f"{m}experts.{e}.gate_proj.weight"] = gate_up[e, :I]
+                    t[f"{m}experts.{e}.up_proj.weight"] = gate_up[e, I:]
+                    t[f"{m}experts.{e}.down_proj.weight"] = down[e]
+            t[m + "shared_expert.gate_proj.weight"], t[m + "shared_expert.up_proj.weight"] = mat(Is, H), mat(Is, H)
+            t[m + "shared_expert.down_proj.weight"] = mat(H, Is)
+            t[m + "shared_expert_gate.weight"] = mat(1, H, std=0.2)
+        else:
+            I = cfg.intermediate_size
+            t[m + "gate_proj.weight"], t[m + "up_proj.weight"] = mat(I, H), mat(I, H)
+            t[m + "down_proj.weight"] = mat(H, I)
+    return t
+
+
+def _interleave_qkvz_ba(cfg, q, k, v, z, b, a) -> tuple[np.ndarray, np.ndarray]:
+    """Qwen3-Next packing: per key head g, rows [q_g | k_g | v (r heads) | z (r heads)] and [b (r) | a (r)]."""
+    Hk, H = cfg.linear_num_key_heads, cfg.hidden_size
+    groups = lambda x: x.reshape(Hk, -1, H)  # noqa: E731  head-major rows -> [Hk, rows per group, H]
+    qkvz = np.concatenate([groups(q), groups(k), groups(v), groups(z)], axis=1).reshape(-1, H)
+    ba = np.concatenate([groups(b), groups(a)], axis=1).reshape(-1, H)
+    return qkvz, ba
+
+
+def _vision_tensors(vc: dict[str, Any], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A tiny vision tower under `model.visual.` with transformers' names (text-only inference skips it)."""
+    hv, inter, merged = vc["hidden_size"], vc["intermediate_size"], vc["hidden_size"] * vc["spatial_merge_size"] ** 2
+    shapes = {
+        "patch_embed.proj.weight": (hv, vc["in_channels"], vc["temporal_patch_size"], vc["patch_size"], vc["patch_size"]),
+        "patch_embed.proj.bias": (hv,),
+        "pos_embed.weight": (vc["num_position_embeddings"], hv),
+        "merger.norm.weight": (hv,), "merger.norm.bias": (hv,),
+        "merger.linear_fc1.weight": (merged, merged), "merger.linear_fc1.bias": (merged,),
+        "merger.linear_fc2.weight": (vc["out_hidden_size"], merged), "merger.linear_fc2.bias": (vc["out_hidden_size"],),
+    }
+    for n in range(vc["depth"]):
+        b = f"blocks.{n}."
+        shapes.update({
+            b + "norm1.weight": (hv,), b + "norm1.bias": (hv,), b + "norm2.weight": (hv,), b + "norm2.bias": (hv,),
+            b + "attn.qkv.weight": (3 * hv, hv), b + "attn.qkv.bias": (3 * hv,),
+            b + "attn.proj.weight": (hv, hv), b + "attn.proj.bias": (hv,),
+            b + "mlp.linear_fc1.weight": (inter, hv), b + "mlp.linear_fc1.bias": (inter,),
+            b + "mlp.linear_fc2.weight": (hv, inter), b + "mlp.linear_fc2.bias": (hv,),
+        })
+    return {"model.visual." + k: (0.05 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
+
+
+# ---- files ---------------------------------------------------------------------------------------------------------
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def _write_safetensors(out: Path, tensors: dict[str, np.ndarray], num_shards: int) -> None:
+    from safetensors.numpy import save_file
+
+    for stale in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
+        stale.unlink()
+    if num_shards <= 1:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = list(tensors)
+    weight_map = {}
+    for s in range(num_shards):
+        fname = f"model-{s + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[s::num_shards]}
+        save_file(part, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    total = int(sum(t.nbytes for t in tensors.values()))
+    _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def _write_tokenizer(out: Path, vocab_size: int) -> int:
+    """Writes the tokenizer files; returns the tokenizer's end-of-turn token id."""
+    try:
+        from qnext.testing.tiny_tokenizer import tiny_eos_token_id, write_tiny_tokenizer
+    except ImportError as e:
+        raise ImportError(
+            "qnext.testing.tiny_tokenizer.write_tiny_tokenizer is needed to write the tiny checkpoint's tokenizer "
+            f"files ({e})"
+        ) from e
+    write_tiny_tokenizer(out, vocab_size)
+    return tiny_eos_token_id(vocab_size)
