@@ -20,7 +20,7 @@ class _Seq:
 
 
 class CacheMachine(RuleBasedStateMachine):
-    @initialize(num_blocks=st.integers(4, 14), live=st.integers(1, 3), snaps=st.integers(0, 3),
+    @initialize(num_blocks=st.integers(4, 24), live=st.integers(1, 3), snaps=st.integers(0, 4),
                 hybrid=st.booleans())
     def setup(self, num_blocks, live, snaps, hybrid):
         self.cfg = CacheConfig(block_size=BS, num_blocks=num_blocks, num_live_slots=live,
@@ -42,9 +42,10 @@ class CacheMachine(RuleBasedStateMachine):
         return next(k for k, v in self.seqs.items() if v is s)
 
     # ---- rules ------------------------------------------------------------------------------------------------------
-    @rule(base=st.integers(0, 1000), cut=st.integers(0, 12), ext=st.lists(st.integers(0, 2), max_size=7))
+    @rule(base=st.integers(0, 1000), cut=st.one_of(st.just(99), st.integers(0, 12)), ext=st.lists(st.integers(0, 2), max_size=7))
     def admit(self, base, cut, ext):
-        stem = self.history[base % len(self.history)]
+        stems = self.history + [tuple(s.tokens) for s in self.seqs.values()]
+        stem = stems[base % len(stems)]
         prompt = list(stem[:cut]) + ext
         if not prompt:
             prompt = [0]
@@ -99,6 +100,13 @@ class CacheMachine(RuleBasedStateMachine):
             self.state[row] = tuple(s.tokens[:s.computed])
         self.m.commit(sid, s.tokens, s.computed)
         s.tokens.append(tok)
+
+    @precondition(lambda self: self.seqs)
+    @rule(pick=st.integers(0, 1000), steps=st.integers(1, 8), tok=st.integers(0, 2))
+    def run_several(self, pick, steps, tok):
+        for i in range(steps):
+            if self.seqs:
+                self.step(pick, 4, True, (tok + i) % 3)
 
     @precondition(lambda self: self.seqs)
     @rule(pick=st.integers(0, 1000), finished=st.booleans())
@@ -178,5 +186,5 @@ class CacheMachine(RuleBasedStateMachine):
         assert self.m.snapshots.num_reserved == 0 and not self.m.snapshots._pins
 
 
-CacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+CacheMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
 TestCacheMachine = CacheMachine.TestCase

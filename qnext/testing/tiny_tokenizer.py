@@ -62,6 +62,15 @@ Think step by step, explain your reasoning, and keep the final answer short. Tha
 One, two, three, four, five, six, seven, eight, nine, ten. Monday, Tuesday, Wednesday, Thursday, Friday.
 """
 
+# Frequent English words, repeated in training so that the few hundred merges go to them first.
+_COMMON_WORDS = """\
+the be to of and a in that have I it for not on with he as you do at this but his by from they we say her she
+or an will my one all would there their what so up out if about who get which go me when make can like time no
+just him know take people into year your good some could them see other than then now look only come its over
+think also back after use two how our work first well way even new want because any these give day most us is
+are was were has had been said did made write story answer question help please thank yes here where why
+"""
+
 
 def tiny_special_token_ids(vocab_size: int = 512) -> dict[str, int]:
     """Ids of the five reserved tokens (the last five of the vocabulary)."""
@@ -84,7 +93,7 @@ def build_tiny_tokenizer(vocab_size: int = 512) -> tokenizers.Tokenizer:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - num_reserved, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer=trainer)
+    tok.train_from_iterator(_CORPUS.splitlines(keepends=True) + [_COMMON_WORDS] * 2, trainer=trainer)
     # A corpus too small for the requested size leaves a gap: fill it with reserved (special) tokens so that
     # the five named tokens keep their fixed ids at the end.
     filler = [f"<|reserved_{i}|>" for i in range(vocab_size - num_reserved - tok.get_vocab_size())]
