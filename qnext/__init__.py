@@ -1,5 +1,9 @@
 """qnext: a JAX/XLA inference engine for Qwen3.5 and Qwen3-Next hybrid models."""
 from qnext.config import ModelConfig
+from qnext.llm import LLM
 from qnext.model.scoring import Model, load_model
+from qnext.outputs import CompletionOutput, Logprob, RequestOutput
+from qnext.sampling_params import SamplingParams
 
-__all__ = ["Model", "ModelConfig", "load_model"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "Model", "ModelConfig", "RequestOutput", "SamplingParams",
+           "load_model"]

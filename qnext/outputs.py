@@ -55,7 +55,8 @@ def logprobs_entry(token_id: int, logprob: float, rank: int, top_ids: Sequence[i
                    top_logprobs: Sequence[float], num_logprobs: int,
                    decode: Callable[[int], str] | None = None) -> dict[int, Logprob]:
     """The vLLM logprobs dict of one generated token: its top `num_logprobs` entries (ranks 1..k) plus the
-    sampled token with its own rank. `top_ids`/`top_logprobs` are the sampler's sorted top-K (K >= num_logprobs)."""
+    sampled token with its own rank. `top_ids`/`top_logprobs` are the sampler's sorted top-K
+    (K >= num_logprobs)."""
     entry = {int(t): Logprob(float(lp), i + 1, decode(int(t)) if decode else None)
              for i, (t, lp) in enumerate(zip(top_ids[:num_logprobs], top_logprobs[:num_logprobs]))}
     entry[int(token_id)] = Logprob(float(logprob), int(rank), decode(int(token_id)) if decode else None)

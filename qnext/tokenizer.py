@@ -93,11 +93,11 @@ class Tokenizer:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        return self.backend.decode([int(t) for t in token_ids], skip_special_tokens=skip_special_tokens)
 
     def decode_token(self, token_id: int) -> str:
         """One token's text (special tokens included), e.g. for Logprob.decoded_token."""
-        return self.backend.decode([token_id], skip_special_tokens=False)
+        return self.backend.decode([int(token_id)], skip_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tokenize: bool = False, **kwargs) -> str | list[int]:
@@ -154,6 +154,7 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = list(params.stop)
         self.include_stop_str_in_output = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens
         self.token_ids: list[int] = []
         self.output_text = ""
         self.stop_reason: str | None = None
@@ -161,16 +162,22 @@ class IncrementalDetokenizer:
         self._read_offset = 0
         self._num_sent = 0  # chars of output_text already returned by get_next_output_text(delta=True)
 
-    def update(self, new_token_ids: Sequence[int], finished: bool = False) -> str | None:
-        """Appends tokens (and, when finished, flushes a held U+FFFD tail). Returns the stop string that matched,
-        after which output_text is truncated (the stop string kept only with include_stop_str_in_output) and
-        further updates are ignored."""
+    def update(self, new_token_ids: Sequence[int], finished: bool = False,
+               stop_token_terminated: bool = False) -> str | None:
+        """Appends tokens; `finished` also flushes a held U+FFFD tail. With stop_token_terminated (the last token
+        is eos or a stop token id) that token's text is left out unless include_stop_str_in_output, as in vLLM.
+        Returns the stop string that matched, after which output_text is truncated (keeping the stop string only
+        with include_stop_str_in_output) and later updates are ignored. Stop strings count only once more than
+        min_tokens tokens have been generated."""
         if self.stop_reason is not None:
             return None
+        num_tokens = len(self.token_ids) + len(new_token_ids)
+        if stop_token_terminated and not self.include_stop_str_in_output:
+            new_token_ids = new_token_ids[:-1]
         num_chars_before = len(self.output_text)
         self.token_ids.extend(new_token_ids)
-        self.output_text += self._decode_new_text(finished)
-        if not self.stop:
+        self.output_text += self._decode_new_text(finished or stop_token_terminated)
+        if not self.stop or num_tokens <= self.min_tokens:
             return None
         longest = max(len(s) for s in self.stop)
         match = find_stop_string(self.output_text, self.stop, max(0, num_chars_before - longest + 1))

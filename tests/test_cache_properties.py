@@ -49,6 +49,8 @@ class CacheMachine(RuleBasedStateMachine):
         prompt = list(stem[:cut]) + ext
         if not prompt:
             prompt = [0]
+        if not self.m.num_free_slots:  # keep requests flowing: finish the oldest one
+            self.free(0, True)
         sid = self.next_id
         self.next_id += 1
         adm = self.m.admit(sid, prompt)
@@ -158,7 +160,7 @@ class CacheMachine(RuleBasedStateMachine):
         snaps, reg = self.m.snapshots, self.m.registry
         registered = snaps.registered()
         assert set(reg.valid_mamba_prefix_hashes) == set(reg.mamba_prefix_block_by_hash)
-        assert set(reg.valid_mamba_prefix_hashes) <= set(registered)
+        assert set(reg.valid_mamba_prefix_hashes) == set(registered)  # no row held by a forgotten snapshot
         for h in reg.valid_mamba_prefix_hashes:  # valid => KV resident and the row holds exactly that prefix
             b = reg.mamba_prefix_block_by_hash[h]
             assert self.m.blocks.cached_block(h) == b and h in reg.mamba_prefix_hashes_by_block[b]

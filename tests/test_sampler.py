@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from qnext.engine.sampler import (PenaltyState, SamplerInputBuilder, SamplingRow, apply_penalties,
+from qnext.engine.sampler import (PenaltyState, SamplerInputBuilder, SamplingRow, apply_penalties, check_stop,
                                   logprobs_bucket, sample)
 from qnext.outputs import Logprob, logprobs_entry
 from qnext.sampling_params import SamplingParams
@@ -208,3 +208,17 @@ def test_builder_pads_and_rejects_oversized_batch():
     np.testing.assert_array_equal(tensors.temperature[1:], 0.0)  # padding rows are greedy
     with pytest.raises(ValueError, match="3 rows do not fit a batch of 2"):
         builder.build([row(SamplingParams(), index=i) for i in range(3)], 2)
+
+
+def test_check_stop():
+    p = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[7])
+    eos = (EOS, 9)
+    assert check_stop(p, [EOS], eos, 10, 100) is None  # below min_tokens
+    assert check_stop(p, [1, 9], eos, 10, 100) == ("stop", None)
+    assert check_stop(p, [1, 7], eos, 10, 100) == ("stop", 7)
+    assert check_stop(p, [1, 1, 1], eos, 10, 100) is None
+    assert check_stop(p, [1, 1, 1, EOS], eos, 10, 100) == ("stop", None)  # eos wins over the length limit
+    assert check_stop(p, [1, 1, 1, 1], eos, 10, 100) == ("length", None)
+    assert check_stop(p, [1, 1], eos, 100, 100) == ("length", None)  # max_model_len
+    assert check_stop(SamplingParams(ignore_eos=True), [EOS], eos, 10, 100) is None
+    assert check_stop(SamplingParams(max_tokens=None), [1] * 50, eos, 60, 100) is None

@@ -2,6 +2,8 @@ import json
 
 import jinja2
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qnext.sampling_params import SamplingParams
 from qnext.testing.tiny_tokenizer import (TINY_EOS_TOKEN, tiny_eos_token_id, tiny_special_token_ids,
@@ -60,7 +62,8 @@ def test_decode_skips_special_tokens_but_not_think(tok):
 def test_chat_template(tok):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
                 {"role": "assistant", "content": "Hello!"},
-                {"role": "user", "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "fox"}]}]
+                {"role": "user", "content": [{"type": "text", "text": "Name a "},
+                                             {"type": "text", "text": "fox"}]}]
     text = tok.apply_chat_template(messages)
     assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
                     "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nName a fox<|im_end|>\n"
@@ -150,3 +153,31 @@ def test_held_back_partial_stop_is_released_at_finish(tok):
     detok, deltas, stop = stream(tok, tok.encode("over the laz"), SamplingParams(stop=["lazy"]))
     assert stop is None and "".join(deltas) == "over the laz"
     assert "laz" not in "".join(deltas[:-1])
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_token_text_is_dropped_unless_included(tok, include):
+    ids = tok.encode("Hi there<|im_end|>")
+    params = SamplingParams(skip_special_tokens=False, include_stop_str_in_output=include)
+    detok = IncrementalDetokenizer(tok, params)
+    detok.update(ids[:-1])
+    assert detok.update(ids[-1:], stop_token_terminated=True) is None
+    assert detok.get_next_output_text(finished=True, delta=False) == "Hi there" + "<|im_end|>" * include
+
+
+def test_stop_strings_wait_for_min_tokens(tok):
+    ids = tok.encode("stop here, then stop again")
+    detok, deltas, stop = stream(tok, ids, SamplingParams(stop=["stop"], min_tokens=3))
+    assert stop == "stop" and detok.output_text == "stop here, then "
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(alphabet="ab xé世🙂\n", max_size=40), stop=st.text(alphabet="ab é🙂", min_size=1, max_size=3),
+       step=st.integers(1, 4), include=st.booleans())
+def test_streamed_text_equals_truncated_full_text(tok, text, stop, step, include):
+    params = SamplingParams(stop=[stop], include_stop_str_in_output=include)
+    detok, deltas, matched = stream(tok, tok.encode(text), params, step)
+    index = text.find(stop)
+    want = text if index < 0 else text[:index + len(stop) * include]
+    assert matched == (stop if index >= 0 else None)
+    assert "".join(deltas) == detok.output_text == want

@@ -242,3 +242,21 @@ class SamplerInputBuilder:
             return []
         eos = () if p.ignore_eos else self.eos_token_ids
         return sorted({t for t in (*eos, *p.stop_token_ids) if 0 <= t < self.vocab_size})
+
+
+def check_stop(params: SamplingParams, output_token_ids: Sequence[int], eos_token_ids: Sequence[int],
+               num_tokens: int, max_model_len: int) -> tuple[str, int | None] | None:
+    """vLLM's token-level stop check after a token was appended -> (finish_reason, stop_reason) or None.
+    Before min_tokens only the length limits stop a request. Eos (any of eos_token_ids, unless ignore_eos) gives
+    ("stop", None); a stop_token_id gives ("stop", id); max_tokens or max_model_len gives ("length", None).
+    num_tokens = prompt + output. Stop strings are the detokenizer's (IncrementalDetokenizer.update)."""
+    num_output = len(output_token_ids)
+    if num_output >= params.min_tokens and num_output > 0:
+        last = output_token_ids[-1]
+        if not params.ignore_eos and last in eos_token_ids:
+            return "stop", None
+        if last in params.stop_token_ids:
+            return "stop", last
+    if num_tokens >= max_model_len or (params.max_tokens is not None and num_output >= params.max_tokens):
+        return "length", None
+    return None

@@ -27,6 +27,8 @@ def full_attention(p, x, kv, inputs: StepInputs, cfg: ModelConfig):
     k_pages, v_pages = ops.write_kv(*kv, k, v.reshape(t, hkv, d), inputs.slot_mapping)
 
     def attend(q_groups, groups):
+        if groups.length.shape[0] == 0:            # static: the bucket has no groups of this kind
+            return jnp.zeros(q_groups.shape, jnp.float32)
         return ops.paged_attention(q_groups, k_pages, v_pages, groups.block_table, groups.kv_len,
                                    query_positions(groups, inputs.positions), sm_scale=d ** -0.5)
 

@@ -37,6 +37,8 @@ def forward(params, buffers: CacheBuffers, inputs: StepInputs, cfg: ModelConfig)
     return logits, CacheBuffers(kv=tuple(kv), conv=tuple(conv), recurrent=tuple(recurrent))
 
 
+@functools.lru_cache(maxsize=None)
 def make_step(cfg: ModelConfig):
-    """The jitted step for one model config; cache buffers are donated (updated in place on device)."""
+    """The jitted step for one model config; cache buffers are donated (updated in place on device). One per
+    config, so engines of the same model share compilations."""
     return jax.jit(functools.partial(forward, cfg=cfg), donate_argnums=(1,))

@@ -9,6 +9,7 @@ the pytree stores [in, out].
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Callable
@@ -57,139 +58,159 @@ def load_params(
 def convert_checkpoint(
     path: str | Path, cfg: ModelConfig, dtype: Any = "float32", place: Callable[[np.ndarray], Any] | None = None
 ) -> dict[str, Any]:
-    """Reads and converts every tensor; returns numpy arrays, or `place(array)` per leaf as soon as it is built
-    (so host memory holds one converted tensor at a time beyond the mmapped files)."""
+    """Converts every tensor; returns numpy arrays, or `place(array)` per leaf as soon as it is built.
+
+    Names and shapes of the whole checkpoint are checked before any tensor is read, and leaves are built one at
+    a time, so host memory holds about one converted tensor beyond what `place` keeps.
+    """
     specs = param_specs(cfg, dtype)
     with _Tensors(Path(path)) as t:
-        raw = _convert(t, cfg)
+        plan = _plan(t, cfg)
+        map_specs(lambda p, _: t.check(_at(plan, p).sources), specs)
         t.check_all_used()
 
-    def finish(path_: tuple, spec: ParamSpec) -> Any:
-        node = raw
-        for k in path_:
-            node = node[k]
-        arr = np.asarray(node, dtype=spec.dtype)
-        assert arr.shape == spec.shape, (path_, arr.shape, spec.shape)
-        return place(arr) if place is not None else np.ascontiguousarray(arr)
+        def build(path_: tuple, spec: ParamSpec) -> Any:
+            leaf = _at(plan, path_)
+            arr = np.asarray(leaf.combine(*(t.read(name) for name, _ in leaf.sources)), dtype=spec.dtype)
+            assert arr.shape == spec.shape, (path_, arr.shape, spec.shape)
+            arr = np.ascontiguousarray(arr)
+            return place(arr) if place is not None else arr
 
-    return map_specs(finish, specs)
+        return map_specs(build, specs)
 
 
-# ---- conversion ----------------------------------------------------------------------------------------------------
-def _convert(t: "_Tensors", cfg: ModelConfig) -> dict[str, Any]:
+# ---- conversion plan -----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    """One pytree leaf: the HF tensors it is made of (name, expected shape) and how to combine them."""
+
+    sources: tuple[tuple[str, tuple[int, ...]], ...]
+    combine: Callable[..., np.ndarray]
+
+
+def _same(name: str, *shape: int) -> _Leaf:
+    return _Leaf(((name, shape),), lambda x: x)
+
+
+def _transposed(name: str, *shape: int) -> _Leaf:  # HF [out, in] -> [in, out]
+    return _Leaf(((name, shape),), lambda x: x.T)
+
+
+def _rows_transposed(*sources: tuple[str, tuple[int, ...]]) -> _Leaf:  # stack HF row blocks, then [in, out]
+    return _Leaf(tuple(sources), lambda *xs: np.concatenate(xs, axis=0).T)
+
+
+def _at(tree: Any, path: tuple) -> Any:
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _plan(t: "_Tensors", cfg: ModelConfig) -> dict[str, Any]:
     H, V = cfg.hidden_size, cfg.vocab_size
-    embed = t.take("model.embed_tokens.weight", (V, H))
-    lm_head = t.take("lm_head.weight", (V, H)) if t.has("lm_head.weight") else None
-    if cfg.tie_word_embeddings or lm_head is None:
-        lm_head = embed
+    tied = cfg.tie_word_embeddings or not t.has("lm_head.weight")
+    if t.has("lm_head.weight"):
+        t.check((("lm_head.weight", (V, H)),))  # unused when tied, as in transformers
     layers = []
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         layer = {
-            "input_norm": t.take(p + "input_layernorm.weight", (H,)),
-            "post_attn_norm": t.take(p + "post_attention_layernorm.weight", (H,)),
+            "input_norm": _same(p + "input_layernorm.weight", H),
+            "post_attn_norm": _same(p + "post_attention_layernorm.weight", H),
+            "attn": (_linear_attention if cfg.is_linear_layer(i) else _full_attention)(
+                t, p + ("linear_attn." if cfg.is_linear_layer(i) else "self_attn."), cfg),
+            "mlp": _moe(t, p + "mlp.", cfg) if cfg.is_moe_layer(i) else _dense_mlp(p + "mlp.", cfg),
         }
-        if cfg.is_linear_layer(i):
-            layer["attn"] = _linear_attention(t, p + "linear_attn.", cfg)
-        else:
-            layer["attn"] = _full_attention(t, p + "self_attn.", cfg)
-        layer["mlp"] = _moe(t, p + "mlp.", cfg) if cfg.is_moe_layer(i) else _dense_mlp(t, p + "mlp.", cfg)
         layers.append(layer)
     return {
-        "embed": embed,
-        "final_norm": t.take("model.norm.weight", (H,)),
-        "lm_head": lm_head.T,
+        "embed": _same("model.embed_tokens.weight", V, H),
+        "final_norm": _same("model.norm.weight", H),
+        "lm_head": _transposed("model.embed_tokens.weight" if tied else "lm_head.weight", V, H),
         "layers": tuple(layers),
     }
 
 
-def _linear_attention(t: "_Tensors", p: str, cfg: ModelConfig) -> dict[str, np.ndarray]:
+def _linear_attention(t: "_Tensors", p: str, cfg: ModelConfig) -> dict[str, _Leaf]:
     H, Hk, Hv = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, Hv // Hk
+    dk, dv, r, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, Hv // Hk, cfg.linear_conv_kernel_dim
     if t.has(p + "in_proj_qkvz.weight"):
         # Qwen3-Next: rows grouped per key head g: [q_g (dk) | k_g (dk) | v of heads g*r.. (r*dv) | z of them (r*dv)],
         # and in_proj_ba per group: [b (r) | a (r)]. Re-ordered to q | k | v | z | b | a, each head-major.
-        qkvz = t.take(p + "in_proj_qkvz.weight", (2 * cfg.key_dim + 2 * cfg.value_dim, H))
-        ba = t.take(p + "in_proj_ba.weight", (2 * Hv, H))
-        qkvz = qkvz.reshape(Hk, 2 * dk + 2 * r * dv, H)
-        ba = ba.reshape(Hk, 2 * r, H)
-        cuts = np.cumsum([dk, dk, r * dv])
-        q, k, v, z = np.split(qkvz, cuts, axis=1)
-        b, a = np.split(ba, [r], axis=1)
-        rows = [x.reshape(-1, H) for x in (q, k, v, z, b, a)]
+        def deinterleave(qkvz: np.ndarray, ba: np.ndarray) -> np.ndarray:
+            q, k, v, z = np.split(qkvz.reshape(Hk, 2 * dk + 2 * r * dv, H), np.cumsum([dk, dk, r * dv]), axis=1)
+            b, a = np.split(ba.reshape(Hk, 2 * r, H), [r], axis=1)
+            return np.concatenate([x.reshape(-1, H) for x in (q, k, v, z, b, a)], axis=0).T
+
+        in_proj = _Leaf(((p + "in_proj_qkvz.weight", (2 * cfg.key_dim + 2 * cfg.value_dim, H)),
+                         (p + "in_proj_ba.weight", (2 * Hv, H))), deinterleave)
     else:
         # Qwen3.5: in_proj_qkv rows are already the conv channel order q | k | v.
-        rows = [
-            t.take(p + "in_proj_qkv.weight", (cfg.conv_dim, H)),
-            t.take(p + "in_proj_z.weight", (cfg.value_dim, H)),
-            t.take(p + "in_proj_b.weight", (Hv, H)),
-            t.take(p + "in_proj_a.weight", (Hv, H)),
-        ]
-    K = cfg.linear_conv_kernel_dim
+        in_proj = _rows_transposed((p + "in_proj_qkv.weight", (cfg.conv_dim, H)),
+                                   (p + "in_proj_z.weight", (cfg.value_dim, H)),
+                                   (p + "in_proj_b.weight", (Hv, H)), (p + "in_proj_a.weight", (Hv, H)))
     return {
-        "in_proj": np.concatenate(rows, axis=0).T,
-        "conv_weight": t.take(p + "conv1d.weight", (cfg.conv_dim, 1, K)).reshape(cfg.conv_dim, K),
-        "A_log": t.take(p + "A_log", (Hv,)),
-        "dt_bias": t.take(p + "dt_bias", (Hv,)),
-        "norm": t.take(p + "norm.weight", (dv,)),
-        "out_proj": t.take(p + "out_proj.weight", (H, cfg.value_dim)).T,
+        "in_proj": in_proj,
+        "conv_weight": _Leaf(((p + "conv1d.weight", (cfg.conv_dim, 1, K)),), lambda w: w[:, 0, :]),
+        "A_log": _same(p + "A_log", Hv),
+        "dt_bias": _same(p + "dt_bias", Hv),
+        "norm": _same(p + "norm.weight", dv),
+        "out_proj": _transposed(p + "out_proj.weight", H, cfg.value_dim),
     }
 
 
-def _full_attention(t: "_Tensors", p: str, cfg: ModelConfig) -> dict[str, np.ndarray]:
+def _full_attention(t: "_Tensors", p: str, cfg: ModelConfig) -> dict[str, _Leaf]:
     H, Hq, Hkv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    # q_proj rows per head h: [query h (D) | output gate h (D)] -> columns q (head-major) | gate (head-major)
-    q_gate = t.take(p + "q_proj.weight", (2 * Hq * D, H)).reshape(Hq, 2, D, H)
-    rows = [
-        q_gate[:, 0].reshape(Hq * D, H),
-        q_gate[:, 1].reshape(Hq * D, H),
-        t.take(p + "k_proj.weight", (Hkv * D, H)),
-        t.take(p + "v_proj.weight", (Hkv * D, H)),
-    ]
+
+    # q_proj rows per head h: [query h (D) | output gate h (D)] -> q (head-major) | gate (head-major) | k | v
+    def q_gate_k_v(q_proj: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        q_proj = q_proj.reshape(Hq, 2, D, *q_proj.shape[1:])
+        q, gate = (q_proj[:, j].reshape(Hq * D, *q_proj.shape[3:]) for j in (0, 1))
+        return np.concatenate([q, gate, k, v], axis=0).T
+
     out = {
-        "qkv_proj": np.concatenate(rows, axis=0).T,
-        "o_proj": t.take(p + "o_proj.weight", (H, Hq * D)).T,
-        "q_norm": t.take(p + "q_norm.weight", (D,)),
-        "k_norm": t.take(p + "k_norm.weight", (D,)),
+        "qkv_proj": _Leaf(((p + "q_proj.weight", (2 * Hq * D, H)), (p + "k_proj.weight", (Hkv * D, H)),
+                           (p + "v_proj.weight", (Hkv * D, H))), q_gate_k_v),
+        "o_proj": _transposed(p + "o_proj.weight", H, Hq * D),
+        "q_norm": _same(p + "q_norm.weight", D),
+        "k_norm": _same(p + "k_norm.weight", D),
     }
     if cfg.attention_bias:
-        qb = t.take(p + "q_proj.bias", (2 * Hq * D,)).reshape(Hq, 2, D)
-        kb = t.take(p + "k_proj.bias", (Hkv * D,))
-        vb = t.take(p + "v_proj.bias", (Hkv * D,))
-        out["qkv_bias"] = np.concatenate([qb[:, 0].reshape(-1), qb[:, 1].reshape(-1), kb, vb])
-        out["o_bias"] = t.take(p + "o_proj.bias", (H,))
+        out["qkv_bias"] = _Leaf(((p + "q_proj.bias", (2 * Hq * D,)), (p + "k_proj.bias", (Hkv * D,)),
+                                 (p + "v_proj.bias", (Hkv * D,))), q_gate_k_v)
+        out["o_bias"] = _same(p + "o_proj.bias", H)
     return out
 
 
-def _dense_mlp(t: "_Tensors", p: str, cfg: ModelConfig) -> dict[str, np.ndarray]:
+def _dense_mlp(p: str, cfg: ModelConfig) -> dict[str, _Leaf]:
     H, I = cfg.hidden_size, cfg.intermediate_size
-    gate = t.take(p + "gate_proj.weight", (I, H))
-    up = t.take(p + "up_proj.weight", (I, H))
-    return {"gate_up": np.concatenate([gate, up], axis=0).T, "down": t.take(p + "down_proj.weight", (H, I)).T}
+    return {
+        "gate_up": _rows_transposed((p + "gate_proj.weight", (I, H)), (p + "up_proj.weight", (I, H))),
+        "down": _transposed(p + "down_proj.weight", H, I),
+    }
 
 
-def _moe(t: "_Tensors", p: str, cfg: ModelConfig) -> dict[str, np.ndarray]:
+def _moe(t: "_Tensors", p: str, cfg: ModelConfig) -> dict[str, _Leaf]:
     H, E, I, Is = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    swap = lambda x: x.transpose(0, 2, 1)  # noqa: E731  [E, out, in] -> [E, in, out]
     if t.has(p + "experts.gate_up_proj"):
         # fused (Qwen3.5-MoE releases): gate_up [E, 2I, H] with gate rows first, down [E, H, I]
-        gate_up = t.take(p + "experts.gate_up_proj", (E, 2 * I, H))
-        down = t.take(p + "experts.down_proj", (E, H, I))
+        gate_up = _Leaf(((p + "experts.gate_up_proj", (E, 2 * I, H)),), swap)
+        down = _Leaf(((p + "experts.down_proj", (E, H, I)),), swap)
     else:
         e = p + "experts."
-        gate_up = np.stack([
-            np.concatenate([t.take(f"{e}{j}.gate_proj.weight", (I, H)), t.take(f"{e}{j}.up_proj.weight", (I, H))])
-            for j in range(E)
-        ])
-        down = np.stack([t.take(f"{e}{j}.down_proj.weight", (H, I)) for j in range(E)])
-    shared_gate = t.take(p + "shared_expert.gate_proj.weight", (Is, H))
-    shared_up = t.take(p + "shared_expert.up_proj.weight", (Is, H))
+        gate_up = _Leaf(
+            tuple((f"{e}{j}.{w}_proj.weight", (I, H)) for j in range(E) for w in ("gate", "up")),
+            lambda *m: swap(np.stack([np.concatenate(m[2 * j:2 * j + 2]) for j in range(E)])),
+        )
+        down = _Leaf(tuple((f"{e}{j}.down_proj.weight", (H, I)) for j in range(E)), lambda *m: swap(np.stack(m)))
     return {
-        "router": t.take(p + "gate.weight", (E, H)).T,
-        "experts_gate_up": gate_up.transpose(0, 2, 1),
-        "experts_down": down.transpose(0, 2, 1),
-        "shared_gate_up": np.concatenate([shared_gate, shared_up], axis=0).T,
-        "shared_down": t.take(p + "shared_expert.down_proj.weight", (H, Is)).T,
-        "shared_gate": t.take(p + "shared_expert_gate.weight", (1, H)).T,
+        "router": _transposed(p + "gate.weight", E, H),
+        "experts_gate_up": gate_up,
+        "experts_down": down,
+        "shared_gate_up": _rows_transposed((p + "shared_expert.gate_proj.weight", (Is, H)),
+                                           (p + "shared_expert.up_proj.weight", (Is, H))),
+        "shared_down": _transposed(p + "shared_expert.down_proj.weight", H, Is),
+        "shared_gate": _transposed(p + "shared_expert_gate.weight", 1, H),
     }
 
 
@@ -246,14 +267,19 @@ class _Tensors:
     def has(self, name: str) -> bool:
         return name in self._where
 
-    def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name not in self._where:
-            raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self._path}")
-        handle, original, file = self._where[name]
-        got = tuple(handle.get_slice(original).get_shape())
-        if got != tuple(shape):
-            raise CheckpointError(f"tensor {original!r} in {file} has shape {got}; the config expects {tuple(shape)}")
-        self._used.add(name)
+    def check(self, sources: tuple[tuple[str, tuple[int, ...]], ...]) -> None:
+        """Each named tensor exists with the given shape; marks them used."""
+        for name, shape in sources:
+            if name not in self._where:
+                raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self._path}")
+            handle, original, file = self._where[name]
+            got = tuple(handle.get_slice(original).get_shape())
+            if got != tuple(shape):
+                raise CheckpointError(f"tensor {original!r} in {file} has shape {got}; the config expects {tuple(shape)}")
+            self._used.add(name)
+
+    def read(self, name: str) -> np.ndarray:
+        handle, original, _ = self._where[name]
         return handle.get_tensor(original)
 
     def check_all_used(self) -> None:

@@ -1,0 +1,47 @@
+"""Engine options, with vLLM's names where vLLM has the option."""
+from __future__ import annotations
+
+import dataclasses
+
+from qnext.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    enable_prefix_caching: bool = True
+    block_size: int = 16
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None          # None: min(max_position_embeddings, 4096)
+    dtype: str = "float32"
+    seed: int = 0
+    num_gpu_blocks_override: int | None = None  # KV blocks (the dummy block 0 comes on top)
+    max_num_snapshots: int | None = None      # prefix snapshot rows; None: 4 x max_num_seqs
+    snapshot_memory_bytes: int | None = None  # byte budget for snapshot rows; caps max_num_snapshots
+    prefill_chunk: int = 64                   # rows per prefill group of the delta-rule kernel
+    max_prefill_groups_extra: int = 8         # prefill groups a step may have beyond tokens / chunk
+
+    def __post_init__(self):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs})")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        for name in ("num_gpu_blocks_override", "max_num_snapshots", "snapshot_memory_bytes", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be a non-negative integer or None, got {value!r}")
+
+    def resolved_max_model_len(self, cfg: ModelConfig) -> int:
+        limit = cfg.max_position_embeddings
+        if self.max_model_len is None:
+            return min(limit, 4096)
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}")
+        return self.max_model_len

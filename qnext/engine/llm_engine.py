@@ -1,0 +1,219 @@
+"""LLMEngine: requests in, one continuous-batching step at a time, RequestOutputs out."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from cache import CacheConfig, CacheManager, snapshot_pool_capacity
+from qnext.config import ModelConfig
+from qnext.engine.config import EngineConfig
+from qnext.engine.runner import ModelRunner, SampledToken
+from qnext.engine.sampler import check_stop
+from qnext.engine.scheduler import Scheduler
+from qnext.engine.sequence import Sequence, SequenceStatus
+from qnext.model.cache_buffers import allocate_cache_buffers, state_bytes_per_row
+from qnext.model.loader import load_params
+from qnext.model.weights import as_dtype
+from qnext.outputs import CompletionOutput, RequestMetrics, RequestOutput, logprobs_entry
+from qnext.sampling_params import SamplingParams
+from qnext.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger("qnext.engine")
+
+Prompt = str | dict | list
+
+
+@dataclasses.dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    step_seconds: float = 0.0        # wall time of engine.step(), host work included
+    device_seconds: float = 0.0      # time in the jitted step + sampler
+
+    @property
+    def host_overhead(self) -> float:
+        return 0.0 if self.step_seconds == 0 else 1.0 - self.device_seconds / self.step_seconds
+
+
+class LLMEngine:
+    def __init__(self, model: str | Path, *, progress: Callable[[str], Any] | None = None, **options):
+        model = Path(model)
+        if not (model / "config.json").is_file():
+            raise ValueError(f"{model} is not a checkpoint directory: config.json is missing")
+        self.config = EngineConfig(**options)
+        self.model_config = cfg = ModelConfig.from_pretrained(model)
+        self.max_model_len = self.config.resolved_max_model_len(cfg)
+        self.tokenizer = Tokenizer.from_pretrained(model) if (model / "tokenizer.json").is_file() else None
+        say = progress or (lambda msg: None)
+        say("loading weights")
+        dtype = as_dtype(self.config.dtype)
+        params = load_params(model, cfg, dtype)
+
+        c = self.config
+        blocks_per_seq = -(-self.max_model_len // c.block_size)
+        num_blocks = c.num_gpu_blocks_override if c.num_gpu_blocks_override is not None else c.max_num_seqs * blocks_per_seq
+        if num_blocks < blocks_per_seq:
+            raise ValueError(f"num_gpu_blocks_override={num_blocks} blocks of {c.block_size} tokens cannot hold one "
+                             f"sequence of max_model_len {self.max_model_len}")
+        hybrid = bool(cfg.linear_layer_ids)
+        requested = c.max_num_snapshots if c.max_num_snapshots is not None else 4 * c.max_num_seqs
+        if not (c.enable_prefix_caching and hybrid):
+            requested = 0
+        num_snapshots = requested
+        if c.snapshot_memory_bytes is not None and requested:
+            num_snapshots = snapshot_pool_capacity(requested, state_bytes_per_row(cfg, dtype), c.snapshot_memory_bytes)
+        self.cache = CacheManager(CacheConfig(block_size=c.block_size, num_blocks=num_blocks + 1,
+                                              num_live_slots=c.max_num_seqs, num_snapshot_slots=num_snapshots,
+                                              enable_prefix_caching=c.enable_prefix_caching, hybrid=hybrid))
+        buffers = allocate_cache_buffers(cfg, num_blocks=num_blocks + 1, block_size=c.block_size,
+                                         num_state_rows=1 + c.max_num_seqs + num_snapshots, dtype=dtype)
+        self.runner = ModelRunner(cfg, params, buffers, c, self.max_model_len, self.cache)
+        self.scheduler = Scheduler(c, self.cache, self.runner.fits)
+        self.requests: dict[str, Sequence] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._request_counter = 0
+        self.stats = EngineStats()
+
+    # ---- requests --------------------------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer.json; pass {'prompt_token_ids': [...]}")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("a prompt dict needs the key 'prompt_token_ids'")
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        raise ValueError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if not all(isinstance(t, (int, np.integer)) for t in token_ids):
+            raise ValueError("prompt_token_ids must be integers")
+        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
+                             "(the prompt must leave room for at least one generated token)")
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        text, token_ids = self.tokenize(prompt)
+        self.validate(token_ids, params)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, [int(t) for t in token_ids], params, self._request_counter, prompt=text)
+        self._request_counter += 1
+        self.requests[request_id] = seq
+        if self.tokenizer is not None:
+            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params)
+        self.scheduler.add(seq)
+        self.stats.num_prompt_tokens += len(token_ids)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        seq = self.requests.get(request_id)
+        if seq is None or seq.is_finished:
+            return None
+        self.scheduler.abort(seq)
+        self._finish(seq, "abort", None, release_cache=False)
+        return self._output(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step --------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one step; returns an output for every request that produced a token or finished."""
+        t0 = time.perf_counter()
+        items = self.scheduler.schedule()
+        if not items:
+            if self.scheduler.waiting and not self.scheduler.running:
+                seq = self.scheduler.waiting[0]
+                raise RuntimeError(f"request {seq.request_id} ({seq.num_tokens} tokens) cannot be scheduled: "
+                                   "the KV cache or state slots are too small")
+            return []
+        device_before = self.runner.step_time
+        sampled = self.runner.execute(items)
+        outputs = []
+        for it in items:
+            seq = it.seq
+            seq.num_computed_tokens = it.end
+            seq.read_row = seq.state_row
+            self.cache.commit(seq.request_id, seq.token_ids, seq.num_computed_tokens)
+            token = sampled.get(seq.request_id)
+            if token is not None:
+                self._append(seq, token)
+                outputs.append(self._output(seq))
+        self.stats.num_steps += 1
+        self.stats.device_seconds += self.runner.step_time - device_before
+        self.stats.step_seconds += time.perf_counter() - t0
+        return outputs
+
+    def _append(self, seq: Sequence, token: SampledToken) -> None:
+        p = seq.params
+        seq.output_token_ids.append(token.token_id)
+        self.stats.num_generated_tokens += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        seq.cumulative_logprob += token.logprob
+        if p.logprobs is not None:
+            decode = self.tokenizer.decode_token if self.tokenizer else None
+            seq.logprobs = seq.logprobs or []
+            seq.logprobs.append(logprobs_entry(token.token_id, token.logprob, token.rank,
+                                               token.top_ids if token.top_ids is not None else [],
+                                               token.top_logprobs if token.top_logprobs is not None else [],
+                                               p.logprobs, decode))
+        stop = check_stop(p, seq.output_token_ids, self.model_config.eos_token_ids, seq.num_tokens,
+                          self.max_model_len)
+        detok = self._detokenizers.get(seq.request_id)
+        if detok is not None:
+            token_stop = stop is not None and stop[0] == "stop"
+            stop_string = detok.update([token.token_id], stop_token_terminated=token_stop)
+            if stop_string is not None:
+                stop = ("stop", stop_string)
+        if stop is not None:
+            self._finish(seq, *stop)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason, release_cache: bool = True) -> None:
+        if release_cache:
+            self.scheduler.finish(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.runner.free(seq.request_id)
+        detok = self._detokenizers.get(seq.request_id)
+        if detok is not None:
+            detok.update([], finished=True)
+
+    def _output(self, seq: Sequence, delta: bool = False) -> RequestOutput:
+        detok = self._detokenizers.get(seq.request_id)
+        text = detok.get_next_output_text(seq.is_finished, delta) if detok is not None else ""
+        completion = CompletionOutput(index=0, text=text, token_ids=list(seq.output_token_ids),
+                                      cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None
+                                      else None, logprobs=seq.logprobs, finish_reason=seq.finish_reason,
+                                      stop_reason=seq.stop_reason)
+        metrics = RequestMetrics(arrival_time=seq.arrival_time, first_scheduled_time=seq.first_scheduled_time,
+                                 first_token_time=seq.first_token_time)
+        return RequestOutput(request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
+                             outputs=[completion], finished=seq.is_finished,
+                             num_cached_tokens=seq.num_cached_tokens or 0, metrics=metrics)
+
+    def stream_text(self, request_id: str) -> str:
+        """Text generated since the last call for this request (for streaming)."""
+        detok = self._detokenizers.get(request_id)
+        seq = self.requests[request_id]
+        return detok.get_next_output_text(seq.is_finished, delta=True) if detok is not None else ""
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's bookkeeping (the LLM front end calls it after returning the output)."""
+        self.requests.pop(request_id, None)
+        self._detokenizers.pop(request_id, None)

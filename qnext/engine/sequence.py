@@ -1,0 +1,56 @@
+"""A request as the engine tracks it: tokens, progress through prefill, cache rows, and its output so far."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from qnext.outputs import SampleLogprobs
+from qnext.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_index: int
+    prompt: str | None = None
+    arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None     # from the first admission; what the user sees
+    state_row: int = 0
+    read_row: int = -1                       # state the next step starts from (-1: zero state)
+    capture_positions: tuple[int, ...] = ()
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        """Tokens still to run through the model before the next sample (1 when decoding)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

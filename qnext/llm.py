@@ -1,0 +1,107 @@
+"""The offline API, shaped like vLLM's: LLM(model).generate(prompts, SamplingParams(...))."""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from qnext.engine.llm_engine import LLMEngine, Prompt
+from qnext.outputs import RequestOutput
+from qnext.sampling_params import SamplingParams
+
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """A Qwen3.5 / Qwen3-Next model served by the qnext engine.
+
+    Engine options carry vLLM's names: enable_prefix_caching, block_size, max_num_seqs, max_num_batched_tokens,
+    max_model_len, dtype, seed, num_gpu_blocks_override; plus max_num_snapshots and snapshot_memory_bytes for
+    the prefix-snapshot pool of the linear-attention state. warm_up=True compiles every step shape up front.
+    """
+
+    def __init__(self, model: str | Path, *, warm_up: bool = False, progress=None, **engine_options):
+        self.engine = LLMEngine(model, progress=progress, **engine_options)
+        self._ids = itertools.count()
+        if warm_up:
+            if progress:
+                progress("compiling step shapes")
+            self.engine.runner.warm_up()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
+                 | None = None) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in the order of the prompts."""
+        single = isinstance(prompts, (str, dict))
+        prompts = [prompts] if single else list(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        for prompt, p in zip(prompts, params):       # validate everything before anything is queued
+            self.engine.validate(self.engine.tokenize(prompt)[1], p)
+        ids = [self._add(prompt, p) for prompt, p in zip(prompts, params)]
+        finished = self._run(ids)
+        return [finished[i] for i in ids]
+
+    def chat(self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | None = None,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Renders each conversation with the checkpoint's chat template, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.render_chat(conv, add_generation_prompt, chat_template_kwargs) for conv in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def render_chat(self, messages: Messages, add_generation_prompt: bool = True,
+                    chat_template_kwargs: dict | None = None) -> str:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer.json, so it has no chat template")
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             **(chat_template_kwargs or {}))
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
+               ) -> Iterator[tuple[str, RequestOutput]]:
+        """Yields (new text, output so far) after every generated token of one request."""
+        self.engine.validate(self.engine.tokenize(prompt)[1], sampling_params or SamplingParams())
+        request_id = self._add(prompt, sampling_params or SamplingParams())
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        yield self.engine.stream_text(request_id), out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort_request(request_id)
+            self.engine.release(request_id)
+
+    # ---------------------------------------------------------------------------------------------------------
+    def _add(self, prompt: Prompt, params: SamplingParams) -> str:
+        request_id = str(next(self._ids))
+        self.engine.add_request(request_id, prompt, params)
+        return request_id
+
+    def _run(self, ids: list[str]) -> dict[str, RequestOutput]:
+        pending, finished = set(ids), {}
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        finished[out.request_id] = out
+                        pending.discard(out.request_id)
+        finally:
+            for request_id in ids:
+                if request_id in pending:
+                    self.engine.abort_request(request_id)
+                self.engine.release(request_id)
+        return finished
+
+    @staticmethod
+    def _params_per_prompt(sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        return params

@@ -1,0 +1,46 @@
+"""Convert a Hugging Face checkpoint once and store it with orbax, so later loads skip the conversion.
+
+    python scripts/convert_checkpoint.py --model /path/to/Qwen3.5-35B-A3B --out ~/.cache/qnext/converted --dtype bfloat16
+
+Then `load_params(model, cfg, dtype, cache_dir=out)` (or the engine given the same cache dir) restores it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from qnext.config import ModelConfig  # noqa: E402
+from qnext.model import converted_cache  # noqa: E402
+from qnext.model.loader import load_params  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, type=Path, help="HF checkpoint directory (config.json + safetensors)")
+    parser.add_argument("--out", required=True, type=Path, help="cache directory for converted checkpoints")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("qnext").setLevel(logging.INFO)
+
+    start = time.perf_counter()
+    try:
+        cfg = ModelConfig.from_pretrained(args.model)
+        key = converted_cache.cache_key(args.model, args.dtype)
+        load_params(args.model, cfg, args.dtype, cache_dir=args.out)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.model} ({cfg.model_type}, {args.dtype}) -> {args.out.resolve() / key} "
+          f"in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
