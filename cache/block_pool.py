@@ -214,7 +214,7 @@ class BlockPool:
 
     # ---- internals ------------------------------------------------------------------------------------------------
     def _evictable(self, b: _Block) -> bool:
-        return b.hash is not None and b.ref_count == 0
+        return b.hash is not None and b.ref_count == 0 and b.num_children == 0
 
     def _push_leaf(self, b: _Block) -> None:
         heapq.heappush(self._leaf_lru, (b.last_used, b.block_id))

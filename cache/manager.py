@@ -11,7 +11,7 @@ from typing import Hashable, Sequence
 from cache.block_pool import BlockPool
 from cache.hashing import block_hashes, extend_block_hashes
 from cache.mamba_registry import MambaPrefixRegistry
-from cache.snapshot_pool import SnapshotPool
+from cache.snapshot_pool import NUM_PRIORITIES, SnapshotPool
 from cache.stats import CacheStats
 
 
@@ -256,8 +256,11 @@ class CacheManager:
             self.snapshots.release(row)
             return
         self.registry.capture_mamba_prefix_state(prefix_hash, terminal)
-        self.snapshots.register(prefix_hash, row)
+        self.snapshots.register(prefix_hash, row, self._snapshot_priority(seq, position))
         self.stats.snapshots_captured += 1
+
+    def _snapshot_priority(self, seq: _Sequence, position: int) -> int:
+        return NUM_PRIORITIES - 1
 
     def _has_snapshot(self, prefix_hash: bytes) -> bool:
         return prefix_hash in self.registry.valid_mamba_prefix_hashes and prefix_hash in self.snapshots

@@ -3,19 +3,20 @@
 Math, row semantics and the chunked (WY / UT) form are in gated_delta_rule.py; these kernels compute the same
 thing with the state in float32 registers.
 
-Chunked kernel (`chunk_gated_delta_rule`):
-- Grid (Hv, dv / BV), BV = min(dv, 32). One program owns one value head and one BV-wide slice of its state
-  S [dk, BV] and walks all N groups in order with a fori_loop, so a segment's state is carried group to group
-  without leaving registers. At a group with is_first it loads S from its read_row (zeros for -1).
-- Per group (C rows, padded rows masked by `length`): G = cumsum(g); Gamma = exp(G_i - G_j) on i >= j (masked
-  before exp); T = (I + strict_lower(beta K K^T * Gamma))^-1 by forward substitution, one row per step
-  (T[i] = e_i - L[i] T, rows j < i already final); W = T diag(beta exp G) K, U = T diag(beta) V[:, BV];
-  V' = U - W S; O = diag(exp G) Q S + ((Q K^T) * Gamma) V'; S <- exp(G_last) S + (diag(exp(G_last - G)) K)^T V'.
-  All dots are 2-D with float32 accumulation (ieee for f32 operands); K K^T and Q K^T keep the input dtype.
-- End states go straight into the state pool (aliased input/output): to write_row when is_last, and to
-  capture_row when it is not 0. Writes to the dummy row 0 are skipped (its content is undefined).
-- The per-group triangular solve is recomputed by each of the dv / BV programs of a head; in exchange there is a
-  single launch and no intermediate W/U/state tensors in HBM.
+Chunked form (`chunk_gated_delta_rule`), two kernels as in FLA's split of the work:
+1. WY kernel, grid (N, Hv), fully parallel. Per group and value head (C rows, padded rows masked by `length`):
+   G = cumsum(g); Gamma = exp(G_i - G_j) below the diagonal (masked before exp);
+   T = (I + strict_lower(beta K K^T * Gamma))^-1 by forward substitution, one row per step
+   (T[i] = e_i - L[i] T, rows j < i already final); W = T diag(beta exp G) K [C, dk], U = T diag(beta) V [C, dv].
+   Writes W, U, G in float32 ([N, Hv, C, d]: about 2 * (dk + dv) * 4 bytes per token and value head).
+2. State kernel, grid (Hv, dv / BV), BV = min(dv, 32): the only sequential part, dots only. One program owns one
+   value head and a BV-wide slice of its state S [dk, BV] in float32 registers and walks all N groups in order,
+   so a segment's state is carried group to group without leaving registers; a group with is_first loads S from
+   its read_row (zeros for -1). Per group: V' = U - W S; O = diag(exp G) Q S + ((Q K^T) * Gamma) V';
+   S <- exp(G_last) S + (diag(exp(G_last - G)) K)^T V'. End states go straight into the state pool (aliased
+   input/output): to write_row when is_last and to capture_row when it is not 0; writes to the dummy row 0 are
+   skipped (its content is undefined).
+All dots are 2-D with float32 accumulation (ieee for f32 operands); K K^T and Q K^T keep the input dtype.
 
 Recurrent kernel (`recurrent_gated_delta_rule`): grid (N, Hv, dv / BV); each program loads S[read_row] [dk, BV],
 applies one token (decay, delta, rank-1 update, read-out) with vector ops and writes write_row and capture_row.
@@ -84,42 +85,51 @@ def _unit_lower_inverse(lower):
     return jax.lax.fori_loop(1, c, body, eye)
 
 
-def _chunk_kernel(len_ref, read_ref, write_ref, cap_ref, first_ref, last_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
+def _wy_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, gcum_ref):
+    """One (group, value head): G, T = (I + strict_lower(beta K K^T Gamma))^-1, W = T diag(beta e^G) K, U = T diag(beta) V."""
+    c = k_ref.shape[0]
+    valid = jax.lax.broadcasted_iota(jnp.int32, (c,), 0) < len_ref[pl.program_id(0)]
+    k = jnp.where(valid[:, None], k_ref[...], 0).astype(k_ref.dtype)                 # [C, dk]
+    g = jnp.where(valid, g_ref[...].astype(jnp.float32), 0.0)                          # [C]
+    beta = jnp.where(valid, beta_ref[...].astype(jnp.float32), 0.0)
+    big_g = jnp.cumsum(g)
+    row_i = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    row_j = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    strict = row_i > row_j
+    gamma = jnp.exp(jnp.where(strict, big_g[:, None] - big_g[None, :], 0.0))
+    lower = jnp.where(strict, beta[:, None] * _dot(k, k, ((1,), (1,))) * gamma, 0.0)
+    t_mat = _unit_lower_inverse(lower)
+    u_ref[...] = _dot(t_mat, beta[:, None] * v_ref[...].astype(jnp.float32), ((1,), (0,)))
+    w_ref[...] = _dot(t_mat, (beta * jnp.exp(big_g))[:, None] * k.astype(jnp.float32), ((1,), (0,)))
+    gcum_ref[...] = big_g
+
+
+def _state_kernel(len_ref, read_ref, write_ref, cap_ref, first_ref, last_ref, q_ref, k_ref, w_ref, u_ref, gcum_ref,
                   state_in_ref, o_ref, state_ref, *, ratio, block_v):
+    """One (value head, V-block), all groups in order: the only sequential part, dots only."""
     del state_in_ref  # aliased with state_ref
     h, vb = pl.program_id(0), pl.program_id(1)
     hk = h // ratio
     cols = pl.ds(vb * block_v, block_v)
     num_groups, c, _, dk = q_ref.shape
     t_idx = jax.lax.broadcasted_iota(jnp.int32, (c,), 0)
-    row_i = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
-    row_j = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-    incl = row_i >= row_j
-    strict = row_i > row_j
+    incl = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0) >= jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
 
-    def body(n, s):                                                                # s: [dk, BV] f32
+    def body(n, s):                                                                    # s: [dk, BV] f32
         read = read_ref[n]
         s = jax.lax.cond(first_ref[n] != 0, lambda: _load_state(state_ref, read, h, cols), lambda: s)
         valid = t_idx < len_ref[n]
-        q = jnp.where(valid[:, None], q_ref[n, :, hk, :], 0).astype(q_ref.dtype)  # [C, dk]
+        q = jnp.where(valid[:, None], q_ref[n, :, hk, :], 0).astype(q_ref.dtype)      # [C, dk]
         k = jnp.where(valid[:, None], k_ref[n, :, hk, :], 0).astype(k_ref.dtype)
-        v = v_ref[n, :, h, cols].astype(jnp.float32)                                # [C, BV]
-        g = jnp.where(valid, g_ref[n, :, h].astype(jnp.float32), 0.0)               # [C]
-        beta = jnp.where(valid, beta_ref[n, :, h].astype(jnp.float32), 0.0)
-        big_g = jnp.cumsum(g)
+        big_g = gcum_ref[n, h, :]                                                      # [C], flat after length
         gamma = jnp.where(incl, jnp.exp(jnp.where(incl, big_g[:, None] - big_g[None, :], 0.0)), 0.0)
-        lower = jnp.where(strict, beta[:, None] * _dot(k, k, ((1,), (1,))) * gamma, 0.0)
-        t_mat = _unit_lower_inverse(lower)
-        kf = k.astype(jnp.float32)
-        u = _dot(t_mat, beta[:, None] * v, ((1,), (0,)))                             # [C, BV]
-        w = _dot(t_mat, (beta * jnp.exp(big_g))[:, None] * kf, ((1,), (0,)))        # [C, dk]
-        v_new = u - _dot(w, s, ((1,), (0,)))
+        v_new = u_ref[n, h, :, cols] - _dot(w_ref[n, h, :, :], s, ((1,), (0,)))         # [C, BV]
         qk = _dot(q, k, ((1,), (1,))) * gamma
         o = (jnp.exp(big_g)[:, None] * _dot(q.astype(jnp.float32), s, ((1,), (0,)))
              + _dot(qk, v_new, ((1,), (0,))))
         o_ref[n, :, h, cols] = jnp.where(valid[:, None], o, 0.0)
-        g_last = jnp.sum(jnp.where(t_idx == c - 1, big_g, 0.0))                    # padded rows have g = 0
-        kd = jnp.exp(g_last - big_g)[:, None] * kf
+        g_last = jnp.sum(jnp.where(t_idx == c - 1, big_g, 0.0))
+        kd = jnp.exp(g_last - big_g)[:, None] * k.astype(jnp.float32)
         s = jnp.exp(g_last) * s + _dot(kd, v_new, ((0,), (0,)))
         _store_state(state_ref, s, write_ref[n], last_ref[n] != 0, cap_ref[n], h, cols)
         return s
@@ -137,22 +147,41 @@ def chunk_gated_delta_rule(q, k, v, g, beta, length, state, read_row, write_row,
     _check_dims(dk, dv, "chunk_gated_delta_rule")
     if not (_is_pow2(c) and c >= 16):
         raise ValueError(f"chunk_gated_delta_rule kernel: the group length C must be a power of two >= 16, got {c}")
-    block_v = min(dv, 32)
+    ratio = hv // hk
     q, k = (x.astype(jnp.promote_types(q.dtype, k.dtype)) for x in (q, k))
-    i32 = jnp.int32
-    ints = tuple(x.astype(i32) for x in (length, read_row, write_row, capture_row, is_first, is_last))
-    args = ints + (q, k, v, g, beta, state)
-    kernel = functools.partial(_chunk_kernel, ratio=hv // hk, block_v=block_v)
-    o, state = pl.pallas_call(
-        kernel,
-        out_shape=(jax.ShapeDtypeStruct((n, c, hv, dv), jnp.float32), jax.ShapeDtypeStruct(state.shape, state.dtype)),
+    ints = tuple(x.astype(jnp.int32) for x in (length, read_row, write_row, capture_row, is_first, is_last))
+    f32 = jnp.float32
+
+    w, u, gcum = pl.pallas_call(                                                       # parallel over (group, head)
+        _wy_kernel,
+        out_shape=(jax.ShapeDtypeStruct((n, hv, c, dk), f32), jax.ShapeDtypeStruct((n, hv, c, dv), f32),
+                   jax.ShapeDtypeStruct((n, hv, c), f32)),
+        grid=(n, hv),
+        in_specs=[_whole((n,)),
+                  pl.BlockSpec((None, c, None, dk), lambda i, h: (i, 0, h // ratio, 0)),
+                  pl.BlockSpec((None, c, None, dv), lambda i, h: (i, 0, h, 0)),
+                  pl.BlockSpec((None, c, None), lambda i, h: (i, 0, h)),
+                  pl.BlockSpec((None, c, None), lambda i, h: (i, 0, h))],
+        out_specs=(pl.BlockSpec((None, None, c, dk), lambda i, h: (i, h, 0, 0)),
+                   pl.BlockSpec((None, None, c, dv), lambda i, h: (i, h, 0, 0)),
+                   pl.BlockSpec((None, None, c), lambda i, h: (i, h, 0))),
+        compiler_params=pltriton.CompilerParams(num_warps=4 if c * max(dk, dv) <= 64 * 64 else 8, num_stages=1),
+        interpret=interpret,
+        name="gdr_chunk_wy",
+    )(ints[0], k, v, g, beta)
+
+    block_v = min(dv, 32)
+    args = ints + (q, k, w, u, gcum, state)
+    o, state = pl.pallas_call(                                                         # sequential over groups
+        functools.partial(_state_kernel, ratio=ratio, block_v=block_v),
+        out_shape=(jax.ShapeDtypeStruct((n, c, hv, dv), f32), jax.ShapeDtypeStruct(state.shape, state.dtype)),
         grid=(hv, dv // block_v),
         in_specs=[_whole(a.shape) for a in args],
         out_specs=(_whole((n, c, hv, dv)), _whole(state.shape)),
         input_output_aliases={len(args) - 1: 1},
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
-        name="chunk_gated_delta_rule",
+        name="gdr_chunk_state",
     )(*args)
     return o, state
 

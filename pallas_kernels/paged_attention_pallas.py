@@ -4,15 +4,20 @@ Kernel design:
 - Rows. Outside the kernel the queries of group n and kv head h are laid out as one row block
   [L_pad * G_pad, D] (row = l * G_pad + g; G = Hq / Hkv padded to a power of two, L padded to a power of two,
   at least 16 rows so the dots are legal). Each row carries its query position; padded rows get -1.
-- Grid (N, Hkv, row blocks of BM <= 64). A program holds q [BM, D] and the online-softmax state
-  m [BM], l [BM], acc [BM, D] in float32, and walks the group's pages with a fori_loop whose trip count is
-  cdiv(min(kv_len, max q_pos + 1), block_size): causal prefill blocks stop at their last visible page.
-- Paging. The block table, kv_len and the row positions are ordinary inputs indexed inside the kernel (Triton has
-  no scalar prefetch); the page pools are one whole-array block and each step reads k/v[page, :, h, :] [bs, D].
+- Grid (N, Hkv, row blocks of BM <= 64, KV splits). A program holds q [BM, D] and the online-softmax state
+  m [BM], l [BM], acc [BM, D] in float32, and walks its split's share of the group's pages with a fori_loop. The
+  group's page count is cdiv(min(kv_len, max q_pos + 1), block_size): causal prefill blocks stop at their last
+  visible page.
+- KV splits (flash-decoding): when N * Hkv * row blocks is below 256 programs (decode batches), the page list is
+  split so the grid still fills the GPU. Each split writes its unnormalised (acc, m, l); XLA merges them by
+  rescaling to the common max. Prefill-sized calls get one split.
+- Paging. The block table and kv_len are ordinary inputs indexed inside the kernel (Triton has no scalar
+  prefetch); the page pools are one whole-array block and each step reads k/v[page, :, h, :] [bs, D].
 - Numerics. q k^T and p v are 2-D dots accumulating in float32 (ieee for f32 inputs; p is cast to the page dtype
   for the bf16 tensor-core path). Masked scores are dropped with `where` after the exp, so fully masked rows
-  (padding, q_pos < 0) keep l = 0 and return 0.
-- Not done: no split over the KV axis (flash-decoding), so a decode batch with few sequences fills few SMs.
+  (padding, q_pos < 0) and empty splits keep l = 0; rows with l = 0 return 0.
+- One page per loop step: block_size 16 gives [BM, 16] score tiles (fine for Triton's 16-wide dot minimum, but
+  short loads); block_size 64 gives longer contiguous loads.
 """
 from __future__ import annotations
 
@@ -40,20 +45,23 @@ def _dot(a, b, contract):
     return jax.lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=jnp.float32)
 
 
-def _kernel(bt_ref, kv_len_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, sm_scale, block_m, block_size):
-    n, h, mb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows = pl.ds(mb * block_m, block_m)
-    q = q_ref[n, h, rows, :]                                                       # [BM, D]
-    pos = pos_ref[n, rows]                                                         # [BM]
+def _kernel(bt_ref, kv_len_ref, pos_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, sm_scale, block_size,
+            pages_per_split):
+    n, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(3)
+    q = q_ref[...]                                                                 # [BM, D]
+    pos = pos_ref[...]                                                             # [BM]
+    block_m, d = q.shape
     kv_len = kv_len_ref[n]
     end = jnp.minimum(kv_len, jnp.max(pos) + 1)
     num_pages = jnp.clip((end + block_size - 1) // block_size, 0, bt_ref.shape[1])
+    first = split * pages_per_split
+    last = jnp.minimum(first + pages_per_split, num_pages)
 
     def body(b, carry):
         m, l, acc = carry
         page = bt_ref[n, b]
-        k = k_ref[page, :, h, :]                                                   # [bs, D]
-        v = v_ref[page, :, h, :]
+        k = k_ref[page, :, h, :].astype(q.dtype)                                   # [bs, D]
+        v = v_ref[page, :, h, :].astype(q.dtype)
         s = _dot(q, k, ((1,), (1,))) * sm_scale                                    # [BM, bs]
         key = b * block_size + jax.lax.broadcasted_iota(jnp.int32, (block_m, block_size), 1)
         visible = (key < kv_len) & (key <= pos[:, None])
@@ -65,12 +73,19 @@ def _kernel(bt_ref, kv_len_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, sm_scale
         acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v, ((1,), (0,)))
         return m_new, l, acc
 
-    d = q.shape[1]
     init = (jnp.full((block_m,), _NEG, jnp.float32), jnp.zeros((block_m,), jnp.float32),
             jnp.zeros((block_m, d), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, num_pages, body, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[:, None]
-    o_ref[n, h, rows, :] = jnp.where(l[:, None] > 0, out, 0.0)
+    m, l, acc = jax.lax.fori_loop(first, jnp.maximum(first, last), body, init)
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _num_splits(programs, max_blocks):
+    """KV splits so that a small batch (decode) still fills the GPU: aim for >= 256 programs."""
+    splits = min(max(1, -(-256 // programs)), max_blocks)
+    pages_per_split = -(-max_blocks // splits)
+    return -(-max_blocks // pages_per_split), pages_per_split
 
 
 def _check(cond, message):
@@ -105,17 +120,33 @@ def paged_attention(q, k_pages, v_pages, block_table, kv_len, q_pos, *, sm_scale
 
     block_table = block_table.astype(jnp.int32)
     kv_len = kv_len.astype(jnp.int32)
-    args = (block_table, kv_len, pos, qr, k_pages, v_pages)
-    kernel = functools.partial(_kernel, sm_scale=float(sm_scale), block_m=block_m, block_size=block_size)
-    out = pl.pallas_call(
+    row_blocks = rows_p // block_m
+    splits, pages_per_split = _num_splits(n * hkv * row_blocks, block_table.shape[1])
+    kernel = functools.partial(_kernel, sm_scale=float(sm_scale), block_size=block_size,
+                               pages_per_split=pages_per_split)
+    f32 = jnp.float32
+    acc, m, l = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((n, hkv, rows_p, d), jnp.float32),
-        grid=(n, hkv, rows_p // block_m),
-        in_specs=[_whole(a.shape) for a in args],
-        out_specs=_whole((n, hkv, rows_p, d)),
+        out_shape=(jax.ShapeDtypeStruct((n, hkv, splits, rows_p, d), f32),
+                   jax.ShapeDtypeStruct((n, hkv, splits, rows_p), f32),
+                   jax.ShapeDtypeStruct((n, hkv, splits, rows_p), f32)),
+        grid=(n, hkv, row_blocks, splits),
+        in_specs=[_whole(block_table.shape), _whole(kv_len.shape),
+                  pl.BlockSpec((None, block_m), lambda i, h, r, s: (i, r)),
+                  pl.BlockSpec((None, None, block_m, d), lambda i, h, r, s: (i, h, r, 0)),
+                  _whole(k_pages.shape), _whole(v_pages.shape)],
+        out_specs=(pl.BlockSpec((None, None, None, block_m, d), lambda i, h, r, s: (i, h, s, r, 0)),
+                   pl.BlockSpec((None, None, None, block_m), lambda i, h, r, s: (i, h, s, r)),
+                   pl.BlockSpec((None, None, None, block_m), lambda i, h, r, s: (i, h, s, r))),
         compiler_params=pltriton.CompilerParams(num_warps=4 if block_m * d <= 64 * 128 else 8, num_stages=2),
         interpret=interpret,
         name="paged_attention",
-    )(*args)
+    )(block_table, kv_len, pos, qr, k_pages, v_pages)
+    # Merge the KV splits (flash-decoding): rescale each split's sums to the common max.
+    m_all = jnp.max(m, axis=2, keepdims=True)
+    scale = jnp.exp(m - m_all)                                                     # [N, Hkv, S, rows]
+    l = jnp.sum(scale * l, axis=2)
+    acc = jnp.sum(scale[..., None] * acc, axis=2)
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     out = out[:, :, :num_rows].reshape(n, hkv, length_p, group_p, d)[:, :, :length, :group]
     return out.transpose(0, 2, 1, 3, 4).reshape(n, length, hq, d)

@@ -260,7 +260,9 @@ def _parse_rope(c: dict[str, Any], max_pos: int) -> tuple[float, float, RopeScal
     scaling = RopeScaling(
         rope_type=rope_type,
         factor=factor,
-        original_max_position_embeddings=None if original is None else _int(original, "original_max_position_embeddings", 1),
+        original_max_position_embeddings=(
+            None if original is None else _int(original, "original_max_position_embeddings", 1)
+        ),
         beta_fast=opt("beta_fast"),
         beta_slow=opt("beta_slow"),
         mscale=opt("mscale"),

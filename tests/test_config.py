@@ -7,7 +7,7 @@ import pytest
 
 from qnext.config import ModelConfig, RopeScaling
 from qnext.model.rope import rope_frequencies
-from qnext.model.weights import init_params, param_specs
+from qnext.model.weights import init_params, map_specs, param_specs
 from qnext.testing.tiny_checkpoint import tiny_hf_config
 
 LIN, FULL = "linear_attention", "full_attention"
@@ -182,3 +182,41 @@ def test_param_specs_follow_the_contract():
     params = init_params(cfg, "float32", seed=0)
     assert params["layers"][0]["attn"]["conv_weight"].shape == (128, 4)
     assert np.all(params["layers"][0]["attn"]["A_log"] > 0)
+
+
+QWEN3_NEXT_80B = {  # legacy layout: top-level rope fields, rope_scaling null, layer_types from the interval
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "attention_bias": False,
+    "bos_token_id": 151643, "eos_token_id": 151645, "decoder_sparse_step": 1, "full_attention_interval": 4,
+    "head_dim": 256, "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 5120,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128, "max_position_embeddings": 262144, "mlp_only_layers": [],
+    "moe_intermediate_size": 512, "norm_topk_prob": True, "num_attention_heads": 16, "num_experts": 512,
+    "num_experts_per_tok": 10, "num_hidden_layers": 48, "num_key_value_heads": 2, "partial_rotary_factor": 0.25,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000000, "shared_expert_intermediate_size": 512,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 151936,
+}
+
+
+def _num_params(cfg):
+    sizes = []
+    map_specs(lambda _, s: sizes.append(int(np.prod(s.shape))), param_specs(cfg, "bfloat16"))
+    return sum(sizes)
+
+
+def test_release_configs_parse_to_their_sizes():
+    cfg = ModelConfig.from_hf_config(QWEN3_NEXT_80B)
+    assert cfg.rope_theta == 1e7 and cfg.rope_scaling is None and len(cfg.full_layer_ids) == 12
+    assert all(cfg.is_moe_layer(i) for i in range(48)) and cfg.conv_dim == 8192
+    assert 79.0e9 < _num_params(cfg) < 81.5e9
+
+    text = dict(QWEN3_NEXT_80B, model_type="qwen3_5_moe_text", num_hidden_layers=40, num_experts=256,
+                num_experts_per_tok=8, vocab_size=248320, attn_output_gate=True, mamba_ssm_dtype="float32",
+                rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+    for k in ("rope_theta", "partial_rotary_factor", "rope_scaling", "intermediate_size", "norm_topk_prob",
+              "mlp_only_layers", "decoder_sparse_step"):
+        del text[k]
+    cfg = ModelConfig.from_hf_config({"model_type": "qwen3_5_moe", "text_config": text, "vision_config": {},
+                                      "tie_word_embeddings": False})
+    assert cfg.model_type == "qwen3_5_moe" and cfg.rotary_dim == 64 and cfg.norm_topk_prob
+    assert 33.5e9 < _num_params(cfg) < 35.5e9  # 35B-A3B less its vision tower and MTP head

@@ -62,9 +62,10 @@ class LLMEngine:
             raise ValueError(f"num_gpu_blocks_override={num_blocks} blocks of {c.block_size} tokens cannot hold one "
                              f"sequence of max_model_len {self.max_model_len}")
         hybrid = bool(cfg.linear_layer_ids)
-        requested = c.max_num_snapshots if c.max_num_snapshots is not None else 4 * c.max_num_seqs
-        if not (c.enable_prefix_caching and hybrid):
-            requested = 0
+        # Snapshot rows; an explicit max_num_snapshots is honoured even with caching off, so that engines that
+        # differ only in enable_prefix_caching share buffer shapes (and compilations).
+        default = 4 * c.max_num_seqs if c.enable_prefix_caching else 0
+        requested = (c.max_num_snapshots if c.max_num_snapshots is not None else default) if hybrid else 0
         num_snapshots = requested
         if c.snapshot_memory_bytes is not None and requested:
             num_snapshots = snapshot_pool_capacity(requested, state_bytes_per_row(cfg, dtype), c.snapshot_memory_bytes)

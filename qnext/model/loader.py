@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,7 +50,9 @@ def load_params(
         params = converted_cache.restore_converted(cache_dir, key, cfg, dt)
         if params is not None:
             return params
+    start = time.perf_counter()
     params = convert_checkpoint(path, cfg, dt, place=jnp.asarray)
+    log.info("converted %s to %s in %.1f s", path, dt.name, time.perf_counter() - start)
     if key is not None:
         converted_cache.save_converted(cache_dir, key, params)
     return params
@@ -275,7 +278,9 @@ class _Tensors:
             handle, original, file = self._where[name]
             got = tuple(handle.get_slice(original).get_shape())
             if got != tuple(shape):
-                raise CheckpointError(f"tensor {original!r} in {file} has shape {got}; the config expects {tuple(shape)}")
+                raise CheckpointError(
+                    f"tensor {original!r} in {file} has shape {got}; the config expects {tuple(shape)}"
+                )
             self._used.add(name)
 
     def read(self, name: str) -> np.ndarray:
@@ -287,4 +292,6 @@ class _Tensors:
         if unused:
             _, original, file = self._where[unused[0]]
             more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
-            raise CheckpointError(f"unexpected tensor {original!r} in {file}{more}; does the config match the checkpoint?")
+            raise CheckpointError(
+                f"unexpected tensor {original!r} in {file}{more}; does the config match the checkpoint?"
+            )

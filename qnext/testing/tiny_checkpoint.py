@@ -20,7 +20,9 @@ import numpy as np
 
 FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 _TEXT_TYPE = {"qwen3_next": "qwen3_next", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
-_CAUSAL_LM = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+_CAUSAL_LM = {
+    "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+}
 _VLM = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 _TINY_VISION = {
     "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "in_channels": 3, "patch_size": 4,
@@ -126,7 +128,7 @@ def write_tiny_checkpoint(
     _write_safetensors(out, tensors, num_shards)
     tokenizer_eos = _write_tokenizer(out, cfg.vocab_size)
     # As in Qwen releases, generation stops at the config's eos and at the tokenizer's end-of-turn token.
-    eos = [text["eos_token_id"]] + ([tokenizer_eos] if tokenizer_eos != text["eos_token_id"] else [])
+    eos = list(cfg.eos_token_ids) + ([tokenizer_eos] if tokenizer_eos not in cfg.eos_token_ids else [])
     generation = {"bos_token_id": text["bos_token_id"], "eos_token_id": eos, "pad_token_id": text["pad_token_id"],
                   "do_sample": False}
     _write_json(out / "generation_config.json", generation)
@@ -143,7 +145,7 @@ def demo_checkpoint_dir(root: str | Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
     try:
         write_tiny_checkpoint(tmp, DEMO_FAMILY, seed=0)
-        os.replace(tmp, path)  # atomic; a concurrent builder that lost the race leaves its copy behind
+        os.replace(tmp, path)  # atomic: readers never see a half-written demo
     except OSError:
         if not (path / "config.json").exists():
             raise
@@ -166,7 +168,8 @@ def _text_tensors(cfg, rng: np.random.Generator, fused_experts: bool) -> dict[st
     t: dict[str, np.ndarray] = {"model.embed_tokens.weight": mat(V, H, std=0.5), "model.norm.weight": zc_norm(H)}
     if not cfg.tie_word_embeddings:
         t["lm_head.weight"] = mat(V, H, std=0.15)
-    Hk, Hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -231,7 +234,7 @@ def _vision_tensors(vc: dict[str, Any], rng: np.random.Generator) -> dict[str, n
     """A tiny vision tower under `model.visual.` with transformers' names (text-only inference skips it)."""
     hv, inter, merged = vc["hidden_size"], vc["intermediate_size"], vc["hidden_size"] * vc["spatial_merge_size"] ** 2
     shapes = {
-        "patch_embed.proj.weight": (hv, vc["in_channels"], vc["temporal_patch_size"], vc["patch_size"], vc["patch_size"]),
+        "patch_embed.proj.weight": (hv, vc["in_channels"], vc["temporal_patch_size"], *[vc["patch_size"]] * 2),
         "patch_embed.proj.bias": (hv,),
         "pos_embed.weight": (vc["num_position_embeddings"], hv),
         "merger.norm.weight": (hv,), "merger.norm.bias": (hv,),

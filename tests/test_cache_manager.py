@@ -1,0 +1,188 @@
+import pytest
+
+from cache import CacheConfig, CacheManager
+
+BS = 4
+
+
+def make(num_blocks=64, live=4, snaps=8, **kw):
+    return CacheManager(CacheConfig(block_size=BS, num_blocks=num_blocks, num_live_slots=live,
+                                    num_snapshot_slots=snaps, **kw))
+
+
+def prefill(m, sid, prompt):
+    """Admit and prefill like the engine: cut at each capture position, capture there, commit every chunk."""
+    adm = m.admit(sid, prompt)
+    assert adm is not None
+    done = adm.num_cached_tokens
+    for p in m.capture_positions(sid):
+        m.reserve_capture(sid, p)
+        m.commit(sid, prompt, p)
+        done = p
+    if done < len(prompt):
+        m.commit(sid, prompt, len(prompt))
+    return adm
+
+
+def run(m, sid, prompt, output=(), finished=True):
+    """Prefill, decode `output` (capturing at every block boundary), free. Returns (admission, all tokens)."""
+    adm = prefill(m, sid, prompt)
+    tokens = list(prompt)
+    for tok in output:
+        tokens.append(tok)  # sampled; computed by the next decode step
+        computed = len(tokens) - 1
+        if len(tokens) == len(prompt) + len(output):
+            break  # the last sampled token is never computed
+        assert m.append_slots(sid, computed + 1)
+        if (computed + 1) % BS == 0:
+            m.decode_capture_row(sid, computed + 1)
+        m.commit(sid, tokens, computed + 1)
+    m.free(sid, tokens, len(tokens) - 1 if output else len(prompt), finished=finished)
+    return adm, tokens
+
+
+def test_block_aligned_fully_cached_prompt_still_computes_its_last_block():
+    m = make()
+    run(m, "a", list(range(8)))
+    adm = m.admit("b", list(range(8)))
+    assert adm.num_cached_tokens == 4 and adm.kv_matched_tokens == 4 and adm.restore_row is not None
+    m.free("b", list(range(8)), 4, finished=False)
+    run(m, "c", list(range(9)))
+    assert m.admit("d", list(range(9))).num_cached_tokens == 8  # state after exactly 8 tokens, 1 token computed
+
+
+def test_prompt_end_snapshot_sits_at_the_last_boundary_before_the_last_token():
+    m = make()
+    adm = m.admit("a", list(range(10)))
+    assert m.capture_positions("a") == [8]
+    m.free("a", list(range(10)), 0, finished=False)
+    m.admit("b", list(range(12)))
+    assert m.capture_positions("b") == [8, 12]
+
+
+def test_multi_turn_continues_from_the_finished_sequence_state():
+    m = make()
+    _, history = run(m, "t1", list(range(10)), output=[50, 51, 52, 53, 54, 55, 56])
+    assert len(history) == 17  # 16 computed: decode boundaries 12 and 16 captured into one tracking row
+    adm, _ = run(m, "t2", history + [60, 61, 62])
+    assert adm.num_cached_tokens == 16 and m.stats.snapshots_restored == 1
+
+
+def test_branch_point_is_captured_so_siblings_hit():
+    m = make()
+    system = list(range(100, 108))  # two blocks shared by everyone
+    run(m, "a", system + [1, 2, 3, 4, 5])
+    adm_b, _ = run(m, "b", system + [7, 7, 7])
+    assert adm_b.num_cached_tokens == 0 and adm_b.kv_matched_tokens == 8
+    assert m.stats.lost_to_missing_state_tokens == 8
+    adm_c = m.admit("c", system + [9, 9, 9, 9, 9])
+    assert adm_c.num_cached_tokens == 8 and 8 not in m.capture_positions("c")
+
+
+def test_partial_kv_eviction_keeps_shallower_snapshots_usable():
+    m = make(num_blocks=20)
+    system = list(range(100, 108))
+    run(m, "a", system + [1] * 9)            # snapshot at 16
+    run(m, "b", system + [2] * 5)            # branch point: snapshots at 8 and 12
+    assert m.stats.snapshots_captured == 3
+    m.evict_cached_blocks(2)                 # a's older chain, tail first: blocks ending at 16 and 12
+    assert m.stats.snapshots_invalidated == 1
+    adm = m.admit("c", system + [1] * 9)
+    assert adm.num_cached_tokens == 8 and adm.restore_row is not None
+
+
+@pytest.mark.parametrize("path", ["admit", "append", "evict", "evict_until_free", "clear", "insert_excess"])
+def test_every_eviction_and_clear_path_invalidates_snapshots(path, monkeypatch):
+    m = make(num_blocks=7, live=2)          # 6 usable blocks
+    run(m, "a", list(range(17)))             # 5 blocks cached, snapshot at 16 tied to block 4
+    calls = []
+    original = m.registry.handle_mamba_prefix_evicted_blocks
+    monkeypatch.setattr(m.registry, "handle_mamba_prefix_evicted_blocks",
+                        lambda ids: calls.append(list(ids)) or original(ids))
+    if path == "admit":
+        assert m.admit("b", list(range(200, 217))) is not None
+    elif path == "append":
+        m.admit("b", [1])
+        assert m.append_slots("b", 12)
+    elif path == "evict":
+        m.evict_cached_blocks(1)
+    elif path == "evict_until_free":
+        m.evict_until_free(3)
+    elif path == "clear":
+        m.clear_prefix_cache()
+    else:
+        m.blocks.max_cached_blocks = 4
+        m.admit("b", list(range(300, 305)))
+        m.commit("b", list(range(300, 305)), 5)
+    assert calls and m.stats.snapshots_invalidated == 1 and not m.registry.valid_mamba_prefix_hashes
+    assert m.stats.kv_blocks_evicted == sum(map(len, calls))
+
+
+def test_restore_snapshot_is_pinned_until_the_first_commit():
+    m = make(snaps=1)
+    run(m, "a", list(range(9)))
+    adm = m.admit("b", list(range(9)))
+    assert adm.restore_row is not None
+    m.admit("c", list(range(50, 59)))
+    assert m.reserve_capture("c", 8) is None  # the only row is pinned by b's pending restore
+    m.clear_prefix_cache()                     # invalidated while pinned: row comes back at b's commit
+    assert m.snapshots.num_free == 0
+    m.commit("b", list(range(9)), 9)
+    assert m.snapshots.num_free == 1 and m.reserve_capture("c", 8) is not None
+
+
+def test_snapshot_pool_lru_frees_only_the_snapshot_not_the_kv():
+    m = make(snaps=1)
+    run(m, "a", list(range(9)))
+    run(m, "b", list(range(50, 59)))
+    assert m.stats.snapshots_evicted == 1 and m.blocks.num_cached == 4
+    adm = m.admit("c", list(range(9)))
+    assert adm.kv_matched_tokens == 8 and adm.num_cached_tokens == 0  # KV kept, state gone: recompute
+
+
+def test_slots_and_blocks_are_bounded_and_come_back():
+    m = make(num_blocks=6, live=2)
+    assert m.admit("a", [1] * 5) and m.admit("b", [2] * 5)
+    assert m.admit("c", [3]) is None and m.stats.admission_failures == 1
+    m.free("a", [1] * 5, 5, finished=True)
+    assert m.admit("c", [3] * 13) is None   # 4 blocks needed, 3 obtainable
+    assert not m.append_slots("b", 21)
+    m.free("b", [2] * 5, 5, finished=False)
+    assert m.num_free_slots == 2 and m.blocks.num_used == 0
+    assert m.stats.peak_slots_in_use == 2 and m.stats.peak_blocks_in_use == 4
+
+
+def test_plain_transformer_reuses_the_kv_match_without_snapshots():
+    m = make(hybrid=False)
+    run(m, "a", list(range(9)))
+    adm = m.admit("b", list(range(10)))
+    assert adm.num_cached_tokens == 8 and adm.restore_row is None and m.capture_positions("b") == []
+
+
+def test_prefix_caching_off_reuses_nothing():
+    m = make(enable_prefix_caching=False)
+    run(m, "a", list(range(9)))
+    assert m.admit("b", list(range(9))).num_cached_tokens == 0 and m.blocks.num_cached == 0
+
+
+def test_captures_are_published_only_after_their_step_commits():
+    m = make()
+    m.admit("a", list(range(9)))
+    m.reserve_capture("a", 8)
+    m.commit("a", list(range(9)), 4)
+    assert not m.registry.valid_mamba_prefix_hashes and m.blocks.num_cached == 1
+    m.free("a", list(range(9)), 4, finished=False)  # aborted before the capture ran: row released
+    assert m.snapshots.num_free == 8
+
+
+def test_bad_calls_say_what_is_wrong():
+    m = make()
+    m.admit("a", list(range(9)))
+    with pytest.raises(ValueError, match="already admitted"):
+        m.admit("a", [1])
+    with pytest.raises(ValueError, match="multiple of 4"):
+        m.reserve_capture("a", 6)
+    with pytest.raises(ValueError, match="empty prompt"):
+        m.admit("z", [])
+    with pytest.raises(KeyError):
+        m.block_table("nope")

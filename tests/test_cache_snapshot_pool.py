@@ -1,0 +1,44 @@
+from cache import SnapshotPool
+
+H = [bytes([i]) * 16 for i in range(6)]
+
+
+def test_lru_eviction_skips_pinned_and_reports():
+    evicted = []
+    pool = SnapshotPool(range(5, 8), on_evict=evicted.append)
+    rows = [pool.reserve() for _ in range(3)]
+    assert sorted(rows) == [5, 6, 7] and pool.reserve() is None  # all reserved: nothing evictable
+    for h, r in zip(H, rows):
+        pool.register(h, r)
+    pool.touch(H[0])
+    pool.pin(pool.row_of(H[1]))
+    row = pool.reserve()  # H[1] is the LRU but pinned: H[2] goes
+    assert evicted == [H[2]] and row == rows[2] and H[2] not in pool
+
+
+def test_discarding_a_pinned_snapshot_frees_its_row_at_unpin():
+    pool = SnapshotPool(range(1, 3))
+    r = pool.reserve()
+    pool.register(H[0], r)
+    pool.pin(r)
+    pool.pin(r)
+    assert pool.discard(H[0]) and H[0] not in pool and pool.num_free == 1
+    pool.unpin(r)
+    assert pool.num_free == 1
+    pool.unpin(r)
+    assert pool.num_free == 2
+
+
+def test_reregistering_a_hash_frees_the_old_row_and_demoted_go_first():
+    evicted = []
+    pool = SnapshotPool(range(1, 4), on_evict=evicted.append)
+    a, b = pool.reserve(), pool.reserve()
+    pool.register(H[0], a)
+    pool.register(H[0], b)
+    assert pool.row_of(H[0]) == b and pool.num_free == 2 and pool.num_registered == 1
+    c = pool.reserve()
+    pool.register(H[1], c)
+    pool.demote(H[1])  # newest but demoted
+    pool.register(H[2], pool.reserve())
+    pool.reserve()
+    assert evicted == [H[1]]
