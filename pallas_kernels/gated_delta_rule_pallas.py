@@ -86,7 +86,8 @@ def _unit_lower_inverse(lower):
 
 
 def _wy_kernel(len_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, gcum_ref):
-    """One (group, value head): G, T = (I + strict_lower(beta K K^T Gamma))^-1, W = T diag(beta e^G) K, U = T diag(beta) V."""
+    """One (group, value head): G = cumsum(g), T = (I + strict_lower(beta K K^T Gamma))^-1,
+    W = T diag(beta e^G) K, U = T diag(beta) V."""
     c = k_ref.shape[0]
     valid = jax.lax.broadcasted_iota(jnp.int32, (c,), 0) < len_ref[pl.program_id(0)]
     k = jnp.where(valid[:, None], k_ref[...], 0).astype(k_ref.dtype)                 # [C, dk]
@@ -179,7 +180,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, length, state, read_row, write_row,
         in_specs=[_whole(a.shape) for a in args],
         out_specs=(_whole((n, c, hv, dv)), _whole(state.shape)),
         input_output_aliases={len(args) - 1: 1},
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=4 if c * dk <= 64 * 64 else 8, num_stages=2),
         interpret=interpret,
         name="gdr_chunk_state",
     )(*args)

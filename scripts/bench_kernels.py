@@ -12,8 +12,10 @@ GPU (--gpu): every Pallas kernel (Triton backend) vs its reference at the model 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
+import os
 import platform
 import sys
 import time
@@ -156,68 +158,94 @@ def _gpu_row(name, shape, kernel, reference, args, num_bytes, repeats):
                 bytes=num_bytes, tb_per_s=bandwidth / 1e12, fraction_of_peak=bandwidth / H200_BANDWIDTH)
 
 
-def bench_gpu(repeats):
-    """Model shapes: full attention Hq=16 Hkv=2 D=256 bf16; linear attention Hk=16 Hv=32 dk=dv=128; conv 8192."""
-    rows = []
-    hq, hkv, d, bs = 16, 2, 256, 16
-    for name, num_seqs, kv_len, group_len in (("decode", 64, 4096, 1), ("prefill", 16, 4096, 64)):
-        args = attention_batch(jax.random.PRNGKey(0), num_seqs, kv_len, group_len, hq, hkv, d, bs, jnp.bfloat16)
-        kv_bytes = num_seqs * kv_len * hkv * d * 2 * 2
-        io_bytes = num_seqs * group_len * hq * d * (2 + 4)
-        rows.append(_gpu_row(
-            f"paged attention ({name})", f"N={num_seqs} L={group_len} kv_len={kv_len} Hq={hq} Hkv={hkv} D={d}",
-            lambda *a: ops.paged_attention(*a, sm_scale=d ** -0.5, implementation="pallas"),
-            lambda *a: ops.paged_attention(*a, sm_scale=d ** -0.5, implementation="reference"),
-            args, kv_bytes + io_bytes, repeats))
+@dataclasses.dataclass(frozen=True)
+class GpuShapes:
+    """Model shapes: full attention Hq=16 Hkv=2 D=256 bf16 pages; linear attention Hk=16 Hv=32 dk=dv=128; conv
+    8192 channels. attention: (name, sequences, kv_len, query rows per group)."""
+    hq: int = 16
+    hkv: int = 2
+    d: int = 256
+    block_size: int = 16
+    attention: tuple = (("decode", 64, 4096, 1), ("prefill", 16, 4096, 64))
+    hk: int = 16
+    hv: int = 32
+    dk: int = 128
+    dv: int = 128
+    c: int = 64
+    num_seqs: int = 4          # prefill sequences for the chunked delta rule / conv
+    seq_len: int = 2048
+    batch: int = 64            # decode rows for the recurrent delta rule / conv update
+    width: int = 4
 
-    hk, hv, dk, dv, c = 16, 32, 128, 128, 64
-    state_bytes = hv * dk * dv * 4
-    num_seqs, seq_len = 4, 2048
-    r = sequence_groups(num_seqs, seq_len, c)
-    n = num_seqs * seq_len // c
-    q, k, v, g, beta = gdr_tensors(jax.random.PRNGKey(1), (n, c), hk, hv, dk, dv, jnp.bfloat16)
-    state = jnp.zeros((num_seqs + 1, hv, dk, dv), jnp.float32)
+
+def bench_gpu(repeats, shapes=GpuShapes(), interpret=False):
+    """Pallas kernels vs references. `interpret` only exists to smoke-test this path on a CPU with tiny shapes."""
+    x_ = shapes
+    rows = []
+
+    def pair(op, **kw):
+        return (lambda *a: op(*a, implementation="pallas", interpret=interpret, **kw),
+                lambda *a: op(*a, implementation="reference", **kw))
+
+    for name, num_seqs, kv_len, group_len in x_.attention:
+        args = attention_batch(jax.random.PRNGKey(0), num_seqs, kv_len, group_len, x_.hq, x_.hkv, x_.d,
+                               x_.block_size, jnp.bfloat16)
+        kv_bytes = num_seqs * kv_len * x_.hkv * x_.d * 2 * 2
+        io_bytes = num_seqs * group_len * x_.hq * x_.d * (2 + 4)
+        rows.append(_gpu_row(
+            f"paged attention ({name})",
+            f"N={num_seqs} L={group_len} kv_len={kv_len} Hq={x_.hq} Hkv={x_.hkv} D={x_.d} bs={x_.block_size}",
+            *pair(ops.paged_attention, sm_scale=x_.d ** -0.5), args, kv_bytes + io_bytes, repeats))
+
+    state_bytes = x_.hv * x_.dk * x_.dv * 4
+    r = sequence_groups(x_.num_seqs, x_.seq_len, x_.c)
+    n = r["length"].shape[0]
     row_args = (r["read_row"], r["write_row"], r["capture_row"], r["is_first"], r["is_last"])
-    tokens = n * c
-    gdr_bytes = tokens * (2 * hk * dk * 2 + hv * dv * 2 + 2 * hv * 4 + hv * dv * 4) + 2 * num_seqs * state_bytes
+    q, k, v, g, beta = gdr_tensors(jax.random.PRNGKey(1), (n, x_.c), x_.hk, x_.hv, x_.dk, x_.dv, jnp.bfloat16)
+    state = jnp.zeros((x_.num_seqs + 1, x_.hv, x_.dk, x_.dv), jnp.float32)
+    tokens = x_.num_seqs * x_.seq_len
+    gdr_bytes = (tokens * (2 * x_.hk * x_.dk * 2 + x_.hv * x_.dv * (2 + 4) + 2 * x_.hv * 4)
+                 + x_.num_seqs * state_bytes)
+    kernel, reference = pair(ops.chunk_gated_delta_rule)
     rows.append(_gpu_row(
-        "chunk gated delta rule", f"{num_seqs}x{seq_len} tokens Hk={hk} Hv={hv} dk={dk} dv={dv} C={c} bf16",
-        lambda q, k, v, g, beta, s: ops.chunk_gated_delta_rule(q, k, v, g, beta, r["length"], s, *row_args,
-                                                               implementation="pallas"),
-        lambda q, k, v, g, beta, s: ops.chunk_gated_delta_rule(q, k, v, g, beta, r["length"], s, *row_args,
-                                                               implementation="reference"),
+        "chunk gated delta rule",
+        f"{x_.num_seqs}x{x_.seq_len} tokens Hk={x_.hk} Hv={x_.hv} dk={x_.dk} dv={x_.dv} C={x_.c} bf16",
+        lambda q, k, v, g, beta, s: kernel(q, k, v, g, beta, r["length"], s, *row_args),
+        lambda q, k, v, g, beta, s: reference(q, k, v, g, beta, r["length"], s, *row_args),
         (q, k, v, g, beta, state), gdr_bytes, repeats))
 
-    batch = 64
-    q, k, v, g, beta = gdr_tensors(jax.random.PRNGKey(2), (batch,), hk, hv, dk, dv, jnp.bfloat16)
-    state = jax.random.normal(jax.random.PRNGKey(3), (batch + 1, hv, dk, dv), jnp.float32)
-    live = jnp.arange(1, batch + 1, dtype=jnp.int32)
-    no_capture = jnp.zeros((batch,), jnp.int32)
-    rec_bytes = batch * (2 * state_bytes + 2 * hk * dk * 2 + hv * dv * (2 + 4) + 2 * hv * 4)
+    b = x_.batch
+    q, k, v, g, beta = gdr_tensors(jax.random.PRNGKey(2), (b,), x_.hk, x_.hv, x_.dk, x_.dv, jnp.bfloat16)
+    state = jax.random.normal(jax.random.PRNGKey(3), (b + 1, x_.hv, x_.dk, x_.dv), jnp.float32)
+    live = jnp.arange(1, b + 1, dtype=jnp.int32)
+    no_capture = jnp.zeros((b,), jnp.int32)
+    rec_bytes = b * (2 * state_bytes + 2 * x_.hk * x_.dk * 2 + x_.hv * x_.dv * (2 + 4) + 2 * x_.hv * 4)
+    kernel, reference = pair(ops.recurrent_gated_delta_rule)
     rows.append(_gpu_row(
-        "recurrent gated delta rule", f"N={batch} Hk={hk} Hv={hv} dk={dk} dv={dv}",
-        lambda *a: ops.recurrent_gated_delta_rule(*a, live, live, no_capture, implementation="pallas"),
-        lambda *a: ops.recurrent_gated_delta_rule(*a, live, live, no_capture, implementation="reference"),
+        "recurrent gated delta rule", f"N={b} Hk={x_.hk} Hv={x_.hv} dk={x_.dk} dv={x_.dv}",
+        lambda *a: kernel(*a, live, live, no_capture), lambda *a: reference(*a, live, live, no_capture),
         (q, k, v, g, beta, state), rec_bytes, repeats))
 
-    conv_dim, width = 2 * hk * dk + hv * dv, 4
-    x = jax.random.normal(jax.random.PRNGKey(4), (n, c, conv_dim), jnp.bfloat16)
+    conv_dim, width = 2 * x_.hk * x_.dk + x_.hv * x_.dv, x_.width
+    x = jax.random.normal(jax.random.PRNGKey(4), (n, x_.c, conv_dim), jnp.bfloat16)
     weight = jax.random.normal(jax.random.PRNGKey(5), (conv_dim, width), jnp.bfloat16)
-    conv_state = jnp.zeros((num_seqs + 1, width - 1, conv_dim), jnp.bfloat16)
-    conv_bytes = 2 * n * c * conv_dim * 2 + 2 * num_seqs * (width - 1) * conv_dim * 2
+    conv_state = jnp.zeros((x_.num_seqs + 1, width - 1, conv_dim), jnp.bfloat16)
+    conv_bytes = 2 * tokens * conv_dim * 2 + x_.num_seqs * (width - 1) * conv_dim * 2
+    kernel, reference = pair(ops.causal_conv1d_chunked)
     rows.append(_gpu_row(
-        "causal conv1d chunked", f"{num_seqs}x{seq_len} tokens D={conv_dim} K={width} bf16",
-        lambda x, w, s: ops.causal_conv1d_chunked(x, w, s, r["length"], *row_args, implementation="pallas"),
-        lambda x, w, s: ops.causal_conv1d_chunked(x, w, s, r["length"], *row_args, implementation="reference"),
+        "causal conv1d chunked", f"{x_.num_seqs}x{x_.seq_len} tokens D={conv_dim} K={width} bf16",
+        lambda x, w, s: kernel(x, w, s, r["length"], *row_args),
+        lambda x, w, s: reference(x, w, s, r["length"], *row_args),
         (x, weight, conv_state), conv_bytes, repeats))
 
-    x = jax.random.normal(jax.random.PRNGKey(6), (batch, conv_dim), jnp.bfloat16)
-    conv_state = jax.random.normal(jax.random.PRNGKey(7), (batch + 1, width - 1, conv_dim), jnp.bfloat16)
-    upd_bytes = batch * conv_dim * 2 * (2 + 2 * (width - 1))
+    x = jax.random.normal(jax.random.PRNGKey(6), (b, conv_dim), jnp.bfloat16)
+    conv_state = jax.random.normal(jax.random.PRNGKey(7), (b + 1, width - 1, conv_dim), jnp.bfloat16)
+    upd_bytes = b * conv_dim * 2 * (2 + 2 * (width - 1))
+    kernel, reference = pair(ops.causal_conv1d_update)
     rows.append(_gpu_row(
-        "causal conv1d update", f"N={batch} D={conv_dim} K={width} bf16",
-        lambda x, w, s: ops.causal_conv1d_update(x, w, s, live, live, no_capture, implementation="pallas"),
-        lambda x, w, s: ops.causal_conv1d_update(x, w, s, live, live, no_capture, implementation="reference"),
+        "causal conv1d update", f"N={b} D={conv_dim} K={width} bf16",
+        lambda x, w, s: kernel(x, w, s, live, live, no_capture),
+        lambda x, w, s: reference(x, w, s, live, live, no_capture),
         (x, weight, conv_state), upd_bytes, repeats))
     return rows
 
@@ -259,7 +287,8 @@ def main(argv=None):
         rows += bench_cpu_attention([("decode", 16, 4096, 1), ("prefill", 4, 4096, 64)], hq=16, hkv=2, d=256,
                                     block_size=16, repeats=args.repeats)
     device = jax.devices()[0]
-    print(f"jax {jax.__version__}, {device.platform} ({device.device_kind}), {platform.processor() or platform.machine()}")
+    host = platform.processor() or platform.machine()
+    print(f"jax {jax.__version__}, {device.platform} ({device.device_kind}), {host}, {os.cpu_count()} CPUs")
     print_table(rows)
     if args.json:
         args.json.write_text(json.dumps(dict(jax=jax.__version__, device=device.device_kind, rows=rows), indent=2))

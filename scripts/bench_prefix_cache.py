@@ -149,12 +149,14 @@ class OracleManager(SeedManager):
 
 
 # ---- memory split -----------------------------------------------------------------------------------------------------
-def build_manager(policy: str, budget: int, args) -> CacheManager:
-    """Split `budget` KV-token units between KV blocks and snapshot rows by the policy's own rule."""
+def build_manager(policy: str, budget: int, args, requests=()) -> CacheManager:
+    """Split `budget` KV-token units between KV blocks and snapshot rows by the policy's own rule (the oracle gets
+    room for every block and boundary state of `requests`)."""
     bs, r, live = args.block_size, args.snapshot_kv_tokens, args.in_flight
     rest = budget - live * r
     if policy == "oracle":
-        blocks, snaps = 1 << 22, 1 << 20
+        blocks = sum(len(r.prompt_token_ids) + len(r.output_token_ids) for r in requests) // bs + 2 * len(requests)
+        snaps = blocks
     elif policy == "kv-only":
         blocks, snaps = rest // bs, 0
     elif policy in ("seed", "disable-all"):
@@ -313,7 +315,7 @@ def run(args) -> dict:
         per_budget = {}
         oracle = None
         if "oracle" in args.policies:
-            oracle = replay(build_manager("oracle", 0, args), requests, args.in_flight, args.chunk)
+            oracle = replay(build_manager("oracle", 0, args, requests), requests, args.in_flight, args.chunk)
         for budget in args.budgets:
             row = {}
             for policy in args.policies:

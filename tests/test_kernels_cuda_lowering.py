@@ -40,7 +40,8 @@ def test_paged_attention_lowers_to_triton(length, block_size, q_dtype):
     text = _lower_for_cuda(
         lambda q, kp, vp, bt, kv, pos: ops.paged_attention(q, kp, vp, bt, kv, pos, sm_scale=D ** -0.5,
                                                            implementation="pallas"),
-        S((N, length, HQ, D), q_dtype), pages, pages, S((N, 4096 // block_size), I32), S((N,), I32), S((N, length), I32))
+        S((N, length, HQ, D), q_dtype), pages, pages, S((N, 4096 // block_size), I32), S((N,), I32),
+        S((N, length), I32))
     _assert_triton(text)
 
 

@@ -6,6 +6,9 @@ Pool rows other than the dummy row 0 must match exactly where the reference leav
 """
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,9 +21,8 @@ from tests.test_kernels_reference import (ATTN_CASES, attn_inputs, decode_row_la
 def _both(op, *args, **kwargs):
     """(kernel, reference) results of one public op as numpy pytrees."""
     got = op(*args, interpret=True, **kwargs)
-    want = op(*args, implementation="reference", **kwargs)
-    as_np = lambda t: tuple(np.asarray(x, np.float32) for x in t) if isinstance(t, tuple) else np.asarray(t, np.float32)  # noqa: E731
-    return as_np(got), as_np(want)
+    want = jax.jit(functools.partial(op, implementation="reference", **kwargs))(*args)
+    return jax.tree.map(lambda x: np.asarray(x, np.float32), (got, want))
 
 
 def _assert_pools(got, want, **tol):

@@ -7,6 +7,7 @@ attention over the gathered KV. The layout builders here are shared with test_ke
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 
 import jax
@@ -194,8 +195,8 @@ def test_chunked_gated_delta_rule_reference_matches_token_scan(seed, seg_lens, c
     q, k, v, g, beta, pool = gdr_inputs(rng, layout.num_tokens, hk, hv, 16, 8, layout.num_rows)
     want_o, want_pool = gdr_expected(layout, q, k, v, g, beta, pool)
     groups = [layout.to_groups(x, rng) for x in (q, k, v, g, beta)]
-    o, new_pool = gdr.chunk_gated_delta_rule_reference(*groups, jnp.asarray(layout.length), jnp.asarray(pool),
-                                                       *layout.rows()[1:])
+    o, new_pool = jax.jit(gdr.chunk_gated_delta_rule_reference)(*groups, jnp.asarray(layout.length), jnp.asarray(pool),
+                                                                *layout.rows()[1:])
     assert_group_outputs(layout, o, want_o, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(new_pool)[1:], want_pool[1:], rtol=1e-4, atol=1e-4)
 
@@ -206,7 +207,7 @@ def test_recurrent_gated_delta_rule_reference_matches_token_scan():
     q, k, v, g, beta, pool = gdr_inputs(rng, 5, 2, 4, 16, 8, layout.num_rows)
     want_o, want_pool = gdr_expected(layout, q, k, v, g, beta, pool)
     groups = [layout.to_groups(x, rng)[:, 0] for x in (q, k, v, g, beta)]
-    o, new_pool = gdr.recurrent_gated_delta_rule_reference(*groups, jnp.asarray(pool), *layout.rows()[1:4])
+    o, new_pool = jax.jit(gdr.recurrent_gated_delta_rule_reference)(*groups, jnp.asarray(pool), *layout.rows()[1:4])
     live = layout.write_row > 0
     np.testing.assert_allclose(np.asarray(o)[live], want_o[layout.token_index[live, 0]], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(new_pool)[1:], want_pool[1:], rtol=1e-5, atol=1e-5)
@@ -240,8 +241,9 @@ def test_causal_conv1d_chunked_reference_matches_direct_conv(seed, seg_lens, c):
     weight = rng.normal(size=(d, width)).astype(np.float32)
     pool = rng.normal(size=(layout.num_rows, width - 1, d)).astype(np.float32)
     want_y, want_pool = conv_expected(layout, x, weight, pool)
-    y, new_pool = conv.causal_conv1d_chunked_reference(jnp.asarray(layout.to_groups(x, rng)), jnp.asarray(weight),
-                                                       jnp.asarray(pool), *layout.rows())
+    y, new_pool = jax.jit(conv.causal_conv1d_chunked_reference)(jnp.asarray(layout.to_groups(x, rng)),
+                                                                jnp.asarray(weight), jnp.asarray(pool),
+                                                                *layout.rows())
     assert_group_outputs(layout, y, want_y, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(new_pool)[1:], want_pool[1:], rtol=1e-6, atol=1e-6)
 
@@ -254,8 +256,9 @@ def test_causal_conv1d_update_reference_matches_direct_conv():
     weight = rng.normal(size=(d, width)).astype(np.float32)
     pool = rng.normal(size=(layout.num_rows, width - 1, d)).astype(np.float32)
     want_y, want_pool = conv_expected(layout, x, weight, pool)
-    y, new_pool = conv.causal_conv1d_update_reference(jnp.asarray(layout.to_groups(x, rng)[:, 0]), jnp.asarray(weight),
-                                                      jnp.asarray(pool), *layout.rows()[1:4])
+    y, new_pool = jax.jit(conv.causal_conv1d_update_reference)(jnp.asarray(layout.to_groups(x, rng)[:, 0]),
+                                                               jnp.asarray(weight), jnp.asarray(pool),
+                                                               *layout.rows()[1:4])
     live = layout.write_row > 0
     np.testing.assert_allclose(np.asarray(y)[live], want_y[layout.token_index[live, 0]], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(new_pool)[1:], want_pool[1:], rtol=1e-6, atol=1e-6)
@@ -337,7 +340,7 @@ def test_paged_attention_reference_matches_dense(case, hq, hkv):
     layout = random_attn_layout(rng, seqs, group_len, block_size, num_pad=1)
     q, k_pages, v_pages = attn_inputs(rng, layout, hq, hkv, d, block_size)
     want = dense_attention(q, k_pages, v_pages, layout, 0.3)
-    got = attn.paged_attention_reference(jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages),
-                                         jnp.asarray(layout.block_table), jnp.asarray(layout.kv_len),
-                                         jnp.asarray(layout.q_pos), sm_scale=0.3, span_blocks=2)
+    reference = jax.jit(functools.partial(attn.paged_attention_reference, sm_scale=0.3, span_blocks=2))
+    got = reference(jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(layout.block_table),
+                    jnp.asarray(layout.kv_len), jnp.asarray(layout.q_pos))
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)

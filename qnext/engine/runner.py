@@ -25,7 +25,7 @@ from qnext.model.forward import make_step
 from qnext.model.step_inputs import LayoutSizes, Segment, build_step_inputs, required_sizes
 from qnext.sampling_params import SamplingParams
 
-_GREEDY = SamplingParams(temperature=0.0)
+_WARM_UP_SAMPLING = (SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,8 +136,9 @@ class ModelRunner:
     def free(self, request_id: str) -> None:
         self.sampler_inputs.free(request_id)
 
-    def warm_up(self) -> int:
-        """Compiles the step for every bucket (and the greedy sampler per row count). Returns the bucket count."""
+    def warm_up(self, on_bucket=None) -> int:
+        """Compiles the step for every bucket (and the greedy sampler per row count); `on_bucket()` is called
+        after each. Returns the bucket count."""
         for bucket in self.decode_buckets + self.mixed_buckets:
             s = bucket.sizes
             segments = [Segment([0], 0, [0], -1, 0) for _ in range(s.num_decode)]
@@ -145,9 +146,11 @@ class ModelRunner:
                 segments = segments[:max(0, s.num_decode - 1)] + [Segment([0] * 2, 0, [0], -1, 0)]
             inputs = build_step_inputs(segments, s, block_size=self.config.block_size, chunk=bucket.chunk)
             logits, self.buffers = self._step(self.params, self.buffers, inputs)
-            rows = [SamplingRow(f"warmup{i}", _GREEDY, [0], [], 0) for i in range(1)]
-            tensors, k = self.sampler_inputs.build(rows, s.num_logits)
-            jax.block_until_ready(sample(logits[jnp.zeros(s.num_logits, jnp.int32)], tensors, num_logprobs=k))
-            self.sampler_inputs.free("warmup0")
+            for params in _WARM_UP_SAMPLING:     # the sampler variants most requests use
+                tensors, k = self.sampler_inputs.build([SamplingRow("warm-up", params, [0], [], 0)], s.num_logits)
+                jax.block_until_ready(sample(logits[jnp.zeros(s.num_logits, jnp.int32)], tensors, num_logprobs=k))
+                self.sampler_inputs.free("warm-up")
+            if on_bucket is not None:
+                on_bucket()
         return len(self.decode_buckets) + len(self.mixed_buckets)
 

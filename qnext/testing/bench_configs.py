@@ -1,0 +1,50 @@
+"""Model size presets for scripts/bench.py: random checkpoints written with `write_tiny_checkpoint`.
+
+- tiny, tiny-moe, tiny-next: the test configs (hidden 64, 4 layers); per-step Python overhead dominates.
+- small: real Qwen3.5 head dims (attention head_dim 256, linear key/value head dim 128, 16 value heads over 8 key
+  heads), 3 linear + 1 full attention layer, hidden 1024; about 80M parameters (157 MFLOP per token), big enough
+  that matmuls, not Python, dominate a CPU step.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+LIN, FULL = "linear_attention", "full_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchModel:
+    name: str
+    family: str
+    overrides: dict[str, Any]
+    max_num_batched_tokens: int     # prefill token budget per step
+
+
+_LONG = {"max_position_embeddings": 4096}   # room for multi-turn chats; compute does not depend on it
+
+PRESETS = {
+    "tiny": BenchModel("tiny", "qwen3_5", dict(_LONG), 1024),
+    "tiny-moe": BenchModel("tiny-moe", "qwen3_5_moe", dict(_LONG), 1024),
+    "tiny-next": BenchModel("tiny-next", "qwen3_next", dict(_LONG), 1024),
+    "small": BenchModel("small", "qwen3_5", dict(
+        _LONG, vocab_size=8192, hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
+        layer_types=[LIN, LIN, LIN, FULL], num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128),
+        1024),
+}
+_VERSION = 1  # bump when a preset changes so cached checkpoints are rewritten
+
+
+def bench_checkpoint(name: str, root: str | Path) -> Path:
+    """The preset's float32 checkpoint under `root` (written once, then reused; engines cast at load)."""
+    from qnext.testing.tiny_checkpoint import write_tiny_checkpoint
+
+    if name not in PRESETS:
+        raise ValueError(f"model preset {name!r} is not one of {sorted(PRESETS)}")
+    preset = PRESETS[name]
+    path = Path(root) / f"{name}-v{_VERSION}"
+    if not (path / "config.json").is_file():
+        write_tiny_checkpoint(path, preset.family, seed=0, **preset.overrides)
+    return path

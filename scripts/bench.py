@@ -1,0 +1,637 @@
+"""qnext against transformers' `generate`, side by side in one run, and against the machine's own GEMM floor.
+
+Same checkpoint, dtype and prompts for both engines:
+- offline: B prompts of random length at once, fixed output length, ignore_eos, greedy: output tokens/s, TTFT,
+  time per output token (TPOT); transformers is driven batched, left-padded with an attention mask.
+- floor: the model's matmul FLOPs for the workload (projections, MLP / active experts, lm_head for sampled tokens,
+  plus attention scores and delta-rule state terms) over the GEMM rate this machine reaches at the step's shapes
+  (the model's own weight matrices, M = decode batch or prefill rows), measured in the same run.
+- chat: multi-turn chats (turn k's prompt = history + new message), one request at a time, TTFT per turn with
+  prefix caching on and off, and the cache's reuse counters.
+- host: time per engine step outside the jitted step (scheduling, cache manager, input building, sampling).
+
+JAX compilation is excluded: every step shape is compiled before anything is timed, and the run checks that no
+step compiled while timed. Both engines get the same threads (--threads) and alternate in one process, so load
+from other processes affects both alike.
+
+    python scripts/bench.py                                  # tiny + small, float32, ~5 min on 2 CPU cores
+    python scripts/bench.py --models small --dtype bfloat16  # on a GPU: same script, Pallas kernels
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from qnext.testing.bench_configs import PRESETS, bench_checkpoint  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- arguments -------------------------------------------------------------------------------------------------------
+def per_model(text: str, models: list[str]) -> dict[str, list[int]]:
+    """'1,16,64' for every model, or 'tiny:1,16,64 small:1,16' per model."""
+    out = {}
+    for part in text.split():
+        name, _, values = part.rpartition(":")
+        batches = [int(v) for v in values.split(",") if v]
+        for m in ([name] if name else models):
+            out[m] = batches
+    return {m: out.get(m, []) for m in models}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="tiny,small", help=f"comma list of presets {sorted(PRESETS)}")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--batches", default="tiny:1,16,64 small:1,16,64",
+                    help="qnext batch sizes: '1,16' for all models or 'tiny:1,16,64 small:1,16'")
+    ap.add_argument("--hf-batches", default="tiny:1,16,64 small:1,16", help="transformers batch sizes (same form)")
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument("--input-len", default="64:256", help="prompt lengths, uniform in [lo, hi]")
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--chat-models", default=None, help="presets for the chat workload (default: --models)")
+    ap.add_argument("--chats", type=int, default=2)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--first-message", type=int, default=256, help="tokens in turn 1's prompt")
+    ap.add_argument("--message", type=int, default=64, help="tokens of each later user message")
+    ap.add_argument("--reply", type=int, default=16, help="tokens generated per turn")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (XLA uses the visible cores)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-dir", default=str(ROOT / "bench_out"), help="checkpoints and the compilation cache")
+    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--plot", default=None, help="PNG path")
+    ap.add_argument("--quick", action="store_true", help="smoke-test sizes: tiny, batches 1,4, 8 tokens, no hf")
+    args = ap.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    if args.quick:
+        models = ["tiny"]
+        args.batches, args.hf_batches, args.no_hf = "1,4", "", True
+        args.input_len, args.output_len = "16:48", 8
+        args.chats, args.turns, args.first_message, args.message, args.reply = 1, 2, 32, 16, 4
+    for m in models:
+        if m not in PRESETS:
+            ap.error(f"model preset {m!r} is not one of {sorted(PRESETS)}")
+    args.models = models
+    args.batches = per_model(args.batches, models)
+    args.hf_batches = {m: [] for m in models} if args.no_hf else per_model(args.hf_batches, models)
+    args.chat_models = models if args.chat_models is None else [m for m in args.chat_models.split(",") if m]
+    lo, _, hi = args.input_len.partition(":")
+    args.input_len = (int(lo), int(hi or lo))
+    if args.output_len < 2:
+        ap.error("--output-len must be at least 2 (TPOT needs two tokens)")
+    return args
+
+
+# ---- FLOPs ---------------------------------------------------------------------------------------------------------
+def matmul_shapes(cfg) -> list[tuple[int, int]]:
+    """(K, N) of every weight matrix a token goes through (active experts only), lm_head last."""
+    h = cfg.hidden_size
+    shapes = []
+    for i in range(cfg.num_hidden_layers):
+        if cfg.is_linear_layer(i):
+            shapes += [(h, cfg.conv_dim + cfg.value_dim + 2 * cfg.linear_num_value_heads), (cfg.value_dim, h)]
+        else:
+            q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+            shapes += [(h, 2 * q + 2 * kv), (q, h)]
+        if cfg.is_moe_layer(i):
+            shapes += [(h, cfg.num_experts)]
+            shapes += [(h, 2 * cfg.moe_intermediate_size), (cfg.moe_intermediate_size, h)] * cfg.num_experts_per_tok
+            shapes += [(h, 2 * cfg.shared_expert_intermediate_size), (cfg.shared_expert_intermediate_size, h), (h, 1)]
+        else:
+            shapes += [(h, 2 * cfg.intermediate_size), (cfg.intermediate_size, h)]
+    return shapes + [(h, cfg.vocab_size)]
+
+
+def token_flops(cfg, context: float, sampled: bool) -> dict[str, float]:
+    """FLOPs of one token at `context` tokens of history: matmuls (2 per MAC), attention QK^T + PV over the
+    context, the delta rule's state terms (decay, S^T k, k delta^T, S^T q: 4 dk dv per value head), conv."""
+    body = sum(2 * k * n for k, n in matmul_shapes(cfg)[:-1])
+    lm_head = 2 * cfg.hidden_size * cfg.vocab_size if sampled else 0
+    attn = 4 * cfg.num_attention_heads * cfg.head_dim * context * len(cfg.full_layer_ids)
+    delta = len(cfg.linear_layer_ids) * cfg.linear_num_value_heads * (
+        2 * 4 * cfg.linear_key_head_dim * cfg.linear_value_head_dim) + 2 * cfg.conv_dim * cfg.linear_conv_kernel_dim
+    return {"matmul": body + lm_head, "attention": attn, "deltanet": delta}
+
+
+def workload_flops(cfg, prompt_lens: list[int], output_len: int) -> dict[str, float]:
+    """Prefill (every prompt token; lm_head only for the last) and decode (output_len - 1 steps) FLOPs."""
+    prefill = decode = 0.0
+    for n in prompt_lens:
+        body = token_flops(cfg, (n - 1) / 2, False)
+        prefill += n * (body["matmul"] + body["attention"] + body["deltanet"]) + 2 * cfg.hidden_size * cfg.vocab_size
+        for j in range(1, output_len):
+            decode += sum(token_flops(cfg, n + j, True).values())
+    return {"prefill": prefill, "decode": decode}
+
+
+# ---- the machine's limit -------------------------------------------------------------------------------------------
+def gemm_rate(cfg, m: int, dtype: str, reps: int = 3) -> dict:
+    """Seconds and FLOP/s of x [m, K] @ W [K, N] over every weight matrix of the model (distinct weights, so weight
+    traffic is real), in `dtype` with float32 accumulation, jitted, median of `reps`."""
+    import jax
+    import jax.numpy as jnp
+
+    dt = jnp.dtype(dtype)
+    shapes = matmul_shapes(cfg)
+    key = jax.random.PRNGKey(0)
+    ws = [jax.random.normal(jax.random.fold_in(key, i), s, jnp.float32).astype(dt) for i, s in enumerate(shapes)]
+    xs = {k: jax.random.normal(key, (m, k), jnp.float32).astype(dt) for k in {k for k, _ in shapes}}
+
+    @jax.jit
+    def run(xs, ws):
+        return [jnp.dot(xs[w.shape[0]], w, preferred_element_type=jnp.float32) for w in ws]
+
+    jax.block_until_ready(run(xs, ws))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(xs, ws))
+        times.append(time.perf_counter() - t0)
+    flops = sum(2 * m * k * n for k, n in shapes)
+    sec = statistics.median(times)
+    return {"m": m, "dtype": dtype, "seconds": sec, "flops": flops, "flops_per_s": flops / sec}
+
+
+# ---- qnext ---------------------------------------------------------------------------------------------------------
+class StepProfile:
+    """Times the parts of engine.step() by wrapping the engine's own callables on this instance (the engine code is
+    unchanged). The jitted step is followed by block_until_ready, so `jit_step` is its device time."""
+
+    PARTS = ("schedule", "build_inputs", "jit_step", "sampler_inputs", "execute")
+
+    def __init__(self, engine):
+        import jax
+
+        import qnext.engine.runner as runner_module
+
+        self.engine = engine
+        self.records: list[dict] = []
+        self._cur: dict | None = None
+        runner = engine.runner
+        schedule = engine.scheduler.schedule
+
+        def scheduled():
+            items = schedule()
+            if self._cur is not None:
+                self._cur["rows"] = len(items)
+                self._cur["tokens"] = sum(it.num_tokens for it in items)
+            return items
+        engine.scheduler.schedule = self._timed(scheduled, "schedule")
+        self._wrap(runner, "execute", "execute")
+        self._wrap(runner.sampler_inputs, "build", "sampler_inputs")
+        step = runner._step
+        runner._step = self._timed(lambda *a: jax.block_until_ready(step(*a)), "jit_step")
+        self._step_fn = step
+        build = runner_module.build_step_inputs
+        self._module, self._build = runner_module, build
+        runner_module.build_step_inputs = self._timed(build, "build_inputs")
+
+    def close(self):
+        self._module.build_step_inputs = self._build
+        self.engine.runner._step = self._step_fn
+
+    def _timed(self, fn, part):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                if self._cur is not None:
+                    self._cur[part] += time.perf_counter() - t0
+        return wrapper
+
+    def _wrap(self, obj, attr, part):
+        setattr(obj, attr, self._timed(getattr(obj, attr), part))
+
+    def step(self):
+        self._cur = dict.fromkeys(self.PARTS, 0.0)
+        stats = self.engine.stats
+        device0 = stats.device_seconds
+        t0 = time.perf_counter()
+        outputs = self.engine.step()
+        self._cur["step"] = time.perf_counter() - t0
+        self._cur["engine_device"] = stats.device_seconds - device0
+        self.records.append(self._cur)
+        self._cur = None
+        return outputs
+
+
+def step_compilations(engine) -> int:
+    return engine.runner._step._cache_size()
+
+
+def run_qnext(engine, prompts: list[list[int]], output_len: int, tag: str) -> dict:
+    """All prompts at once, stepped to completion; per-request TTFT and TPOT from the step that produced them."""
+    from qnext.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    compiled = step_compilations(engine)
+    profile = StepProfile(engine)
+    cache0 = dataclasses.asdict(engine.cache.stats)
+    t0 = time.perf_counter()
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, {"prompt_token_ids": p}, params)
+    first, done, tokens = {}, {}, {}
+    try:
+        while engine.has_unfinished_requests():
+            outs = profile.step()
+            now = time.perf_counter()
+            for o in outs:
+                first.setdefault(o.request_id, now)
+                if o.finished:
+                    done[o.request_id] = now
+                    tokens[o.request_id] = list(o.outputs[0].token_ids)
+    finally:
+        profile.close()
+        for rid in ids:
+            engine.release(rid)
+    total = max(done.values()) - t0
+    compiled = step_compilations(engine) - compiled
+    cache1 = dataclasses.asdict(engine.cache.stats)
+    return {
+        "seconds": total,
+        "output_tokens_per_s": len(prompts) * output_len / total,
+        "ttft_s": [first[r] - t0 for r in ids],
+        "tpot_s": [(done[r] - first[r]) / (output_len - 1) for r in ids],
+        "tokens": [tokens[r] for r in ids],
+        "steps": profile.records,
+        "compilations": compiled,
+        "cache": {k: cache1[k] - cache0[k] for k in ("prompt_tokens", "reused_tokens", "kv_matched_tokens",
+                                                     "lost_to_missing_state_tokens", "snapshots_captured",
+                                                     "snapshots_restored")},
+    }
+
+
+def host_summary(steps: list[dict], decode_rows: int | None = None) -> dict:
+    """Per-step means; with decode_rows, only the decode-only steps of exactly that many sequences."""
+    if decode_rows is not None:
+        steps = [s for s in steps if s.get("rows") == decode_rows and s.get("tokens") == decode_rows]
+    if not steps:
+        return {}
+    mean = {k: float(np.mean([s[k] for s in steps])) for k in StepProfile.PARTS + ("step", "engine_device")}
+    host = mean["step"] - mean["jit_step"]
+    return {"num_steps": len(steps), **{f"{k}_s": v for k, v in mean.items()},
+            "host_s": host, "host_fraction": host / mean["step"],
+            "engine_host_overhead": 1 - mean["engine_device"] / mean["step"],
+            "sample_and_transfer_s": mean["execute"] - mean["build_inputs"] - mean["jit_step"]
+            - mean["sampler_inputs"],
+            "outside_execute_s": mean["step"] - mean["schedule"] - mean["execute"]}
+
+
+# ---- transformers ------------------------------------------------------------------------------------------------
+def load_hf(path: Path, dtype: str, threads: int):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    return model.eval()
+
+
+def run_hf(model, prompts: list[list[int]], output_len: int, pad_id: int) -> dict:
+    """One batched generate, left-padded with an attention mask; a logits processor stamps every step."""
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    stamps = []
+
+    class Stamp(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            stamps.append(time.perf_counter())
+            return scores
+
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=output_len,
+                             min_new_tokens=output_len, pad_token_id=pad_id,
+                             logits_processor=LogitsProcessorList([Stamp()]))
+    total = time.perf_counter() - t0
+    ttft = stamps[0] - t0
+    return {"seconds": total, "output_tokens_per_s": len(prompts) * output_len / total,
+            "ttft_s": [ttft] * len(prompts), "tpot_s": [(total - ttft) / (output_len - 1)] * len(prompts),
+            "tokens": out[:, width:].tolist()}
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    same = sum(x == y for x, y in zip(a, b))
+    prefix = [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), len(x)) / len(x) for x, y in zip(a, b)]
+    return {"identical_outputs": same / len(a), "mean_matching_prefix": float(np.mean(prefix))}
+
+
+# ---- workloads -----------------------------------------------------------------------------------------------------
+def random_prompts(rng, n: int, lens: tuple[int, int], vocab: int) -> list[list[int]]:
+    return [rng.integers(3, vocab - 8, int(rng.integers(lens[0], lens[1] + 1))).tolist() for _ in range(n)]
+
+
+def engine_options(args, model_cfg, batches: list[int], budget: int, enable_prefix_caching: bool) -> dict:
+    """One set of buffer shapes per model (offline and chat engines share every compilation)."""
+    chat_len = args.first_message + (args.turns - 1) * (args.message + args.reply) + args.reply
+    max_len = max(args.input_len[1] + args.output_len, chat_len) + 1
+    max_len = -(-max_len // 16) * 16
+    seqs = max(batches + [1])
+    return dict(max_num_seqs=seqs, max_num_batched_tokens=max(budget, seqs), max_model_len=max_len, block_size=16,
+                dtype=args.dtype, seed=args.seed, max_num_snapshots=2 * seqs,
+                enable_prefix_caching=enable_prefix_caching)
+
+
+def run_chat(engines: dict, args, vocab: int, rng) -> dict:
+    """Chats run one request at a time, turn by turn, alternating cache on / off so load hits both alike. Each turn's
+    prompt = the previous prompt + its reply (from the cache-on engine) + a new message."""
+    from qnext.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.reply, ignore_eos=True)
+
+    def one(engine, rid, prompt):
+        stats0 = dataclasses.asdict(engine.cache.stats)
+        t0 = time.perf_counter()
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        ttft, out = None, None
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                if o.finished:
+                    out = list(o.outputs[0].token_ids)
+        engine.release(rid)
+        stats1 = dataclasses.asdict(engine.cache.stats)
+        return ttft, out, {k: stats1[k] - stats0[k] for k in ("prompt_tokens", "reused_tokens", "kv_matched_tokens",
+                                                              "lost_to_missing_state_tokens")}
+
+    def chat(n_chats, tag, record):
+        turns = [dict(turn=k + 1, prompt_len=[], ttft_on_s=[], ttft_off_s=[], reused_tokens=0, kv_matched_tokens=0,
+                      lost_to_missing_state_tokens=0, prompt_tokens=0, same_output=0) for k in range(args.turns)]
+        for c in range(n_chats):
+            prompt = rng.integers(3, vocab - 8, args.first_message).tolist()
+            for k in range(args.turns):
+                ttft_on, out_on, cache = one(engines[True], f"{tag}-{c}-{k}-on", prompt)
+                ttft_off, out_off, _ = one(engines[False], f"{tag}-{c}-{k}-off", prompt)
+                t = turns[k]
+                t["prompt_len"].append(len(prompt))
+                t["ttft_on_s"].append(ttft_on)
+                t["ttft_off_s"].append(ttft_off)
+                t["same_output"] += out_on == out_off
+                for key in ("reused_tokens", "kv_matched_tokens", "lost_to_missing_state_tokens", "prompt_tokens"):
+                    t[key] += cache[key]
+                prompt = prompt + out_on + rng.integers(3, vocab - 8, args.message).tolist()
+        if record:
+            for t in turns:
+                t["ttft_on_s"], t["ttft_off_s"] = float(np.median(t["ttft_on_s"])), float(np.median(t["ttft_off_s"]))
+                t["prompt_len"] = float(np.mean(t["prompt_len"]))
+                t["ttft_ratio"] = t["ttft_on_s"] / t["ttft_off_s"]
+                t["same_output"] /= n_chats
+            return turns
+        return None
+
+    chat(1, "chat-warmup", record=False)     # a chat of the same shapes first: compiles, fills both caches alike
+    compiled = step_compilations(engines[True])   # one jitted step per model config: shared by both engines
+    turns = chat(args.chats, "chat", record=True)
+    return {"turns": turns, "chats": args.chats,
+            "compilations_while_timed": step_compilations(engines[True]) - compiled,
+            "cache_stats_on": engines[True].cache.stats.as_dict()}
+
+
+# ---- one model -----------------------------------------------------------------------------------------------------
+def bench_model(name: str, args, hf_module_ok: bool, log) -> dict:
+    import jax
+
+    import qnext
+    from qnext.config import ModelConfig
+
+    preset = PRESETS[name]
+    path = bench_checkpoint(name, Path(args.out_dir) / "checkpoints")
+    cfg = ModelConfig.from_pretrained(path)
+    rng = np.random.default_rng(args.seed)
+    batches, hf_batches = args.batches[name], args.hf_batches[name]
+    options = engine_options(args, cfg, batches, preset.max_num_batched_tokens, enable_prefix_caching=True)
+    result = {"model": name, "family": preset.family, "checkpoint": str(path),
+              "parameters_per_token_matmul": sum(k * n for k, n in matmul_shapes(cfg)),
+              "flops_per_token_matmul": sum(2 * k * n for k, n in matmul_shapes(cfg)),
+              "engine_options": options, "offline": [], "host": {},
+              "compile": {"step_shapes": 0, "warm_up_seconds": 0.0}}
+
+    log(f"[{name}] loading qnext ({args.dtype})")
+    llm = qnext.LLM(path, **options)
+    engine = llm.engine
+
+    hf = None
+    if hf_batches and hf_module_ok:
+        log(f"[{name}] loading transformers")
+        hf = load_hf(path, args.dtype, args.threads)
+        run_hf(hf, [[5, 6, 7]], 2, cfg.pad_token_id or 0)
+
+    gemm = {}
+    for m in sorted(set(batches + [min(preset.max_num_batched_tokens, 512)])):
+        gemm[m] = {dt: gemm_rate(cfg, m, dt) for dt in ("float32", "bfloat16")}
+    result["gemm"] = {str(m): v for m, v in gemm.items()}
+    prefill_m = min(preset.max_num_batched_tokens, 512)
+
+    for b in batches:
+        prompts = random_prompts(rng, b, args.input_len, cfg.vocab_size)
+        warm = [[(t * 7 + 11) % (cfg.vocab_size - 11) + 3 for t in p] for p in prompts]   # same lengths, new tokens
+        log(f"[{name}] batch {b}: qnext (a warm-up pass of the same shapes first)")
+        w = run_qnext(engine, warm, args.output_len, f"warm{b}")
+        q = run_qnext(engine, prompts, args.output_len, f"b{b}")
+        result["compile"]["step_shapes"] += w["compilations"] + q["compilations"]
+        result["compile"]["warm_up_seconds"] += w["seconds"]
+        if q["compilations"]:
+            log(f"[{name}] WARNING: {q['compilations']} step shapes compiled while timed")
+        row = {"batch": b, "prompt_lens": [len(p) for p in prompts], "output_len": args.output_len}
+        flops = workload_flops(cfg, row["prompt_lens"], args.output_len)
+        rate_prefill = gemm[prefill_m][args.dtype]["flops_per_s"]
+        rate_decode = gemm[b][args.dtype]["flops_per_s"]
+        floor = flops["prefill"] / rate_prefill + flops["decode"] / rate_decode
+        row["flops"] = flops
+        row["floor_seconds"] = floor
+        row["floor_output_tokens_per_s"] = b * args.output_len / floor
+        row["qnext"] = {k: v for k, v in q.items() if k not in ("steps", "tokens")}
+        row["qnext"]["fraction_of_floor"] = floor / q["seconds"]
+        row["qnext"]["host_all_steps"] = host_summary(q["steps"])
+        row["qnext"]["host_full_decode"] = host_summary(q["steps"], decode_rows=b)
+        result["host"][str(b)] = row["qnext"]["host_full_decode"]
+        if b in hf_batches and hf is not None:
+            log(f"[{name}] batch {b}: transformers")
+            h = run_hf(hf, prompts, args.output_len, cfg.pad_token_id or 0)
+            row["hf"] = {k: v for k, v in h.items() if k != "tokens"}
+            row["hf"]["fraction_of_floor"] = floor / h["seconds"]
+            row["agreement"] = agreement(q["tokens"], h["tokens"])
+            row["ratio"] = {"throughput": q["output_tokens_per_s"] / h["output_tokens_per_s"],
+                            "ttft": np.mean(q["ttft_s"]) / np.mean(h["ttft_s"]),
+                            "tpot": np.mean(q["tpot_s"]) / np.mean(h["tpot_s"])}
+        result["offline"].append(row)
+
+    if name in args.chat_models:
+        log(f"[{name}] multi-turn chat, prefix caching on / off")
+        off = qnext.LLM(path, **dict(options, enable_prefix_caching=False)).engine
+        engines = {True: qnext.LLM(path, **options).engine, False: off}
+        result["chat"] = run_chat(engines, args, cfg.vocab_size, rng)
+    del llm, hf
+    jax.clear_caches()
+    return result
+
+
+# ---- report --------------------------------------------------------------------------------------------------------
+def fmt_s(x):
+    return "-" if x is None else (f"{x * 1e3:.1f}ms" if x < 1 else f"{x:.2f}s")
+
+
+def targets(results: list[dict]) -> list[dict]:
+    out = []
+    by = {r["model"]: r for r in results}
+
+    def row(model, batch):
+        return next((o for o in by.get(model, {}).get("offline", []) if o["batch"] == batch), None)
+
+    small16 = row("small", 16)
+    if small16 and "ratio" in small16:
+        r, f = small16["ratio"]["throughput"], small16["qnext"]["fraction_of_floor"]
+        out.append({"target": "small b16 throughput >= 2x transformers", "value": r, "met": r >= 2})
+        out.append({"target": "small b16 throughput >= 60% of FLOP floor", "value": f, "met": f >= 0.6})
+    for b in (16, 64):
+        t = row("tiny", b)
+        if t and "ratio" in t:
+            r = t["ratio"]["throughput"]
+            out.append({"target": f"tiny b{b} throughput >= 10x transformers", "value": r, "met": r >= 10})
+    for name in ("small", "tiny"):
+        chat = by.get(name, {}).get("chat")
+        if chat and len(chat["turns"]) >= 4:
+            r = chat["turns"][3]["ttft_ratio"]
+            out.append({"target": f"{name} chat turn-4 TTFT cached <= 0.3x uncached", "value": r, "met": r <= 0.3})
+    host = by.get("small", {}).get("host", {}).get("64")
+    if host:
+        out.append({"target": "small b64 host time per step < 5%", "value": host["host_fraction"],
+                    "met": host["host_fraction"] < 0.05})
+    return out
+
+
+def print_report(report: dict) -> None:
+    print()
+    print(f"qnext bench  dtype={report['dtype']}  {report['machine']}  (JAX compilation excluded: every step shape "
+          "compiled before timing)")
+    for r in report["results"]:
+        g = r["gemm"]
+        rates = "  ".join(f"M={m}: fp32 {v['float32']['flops_per_s'] / 1e9:.0f} / bf16 "
+                          f"{v['bfloat16']['flops_per_s'] / 1e9:.0f}" for m, v in g.items())
+        print(f"\n== {r['model']} ({r['family']}, {r['flops_per_token_matmul'] / 1e6:.1f} MFLOP/token in matmuls)"
+              f"  GEMM GFLOP/s at the model's shapes: {rates}")
+        print(f"{'batch':>5} {'qnext tok/s':>11} {'hf tok/s':>9} {'x hf':>6} {'floor tok/s':>11} {'%floor':>6} "
+              f"{'TTFT q':>8} {'TTFT hf':>8} {'TPOT q':>8} {'TPOT hf':>8} {'host%':>6} {'agree':>6}")
+        for o in r["offline"]:
+            q, h = o["qnext"], o.get("hf")
+            host = q["host_full_decode"] or q["host_all_steps"]
+            print(f"{o['batch']:>5} {q['output_tokens_per_s']:>11.1f} "
+                  f"{(h['output_tokens_per_s'] if h else float('nan')):>9.1f} "
+                  f"{(o['ratio']['throughput'] if h else float('nan')):>6.2f} {o['floor_output_tokens_per_s']:>11.1f} "
+                  f"{100 * q['fraction_of_floor']:>5.0f}% {fmt_s(np.mean(q['ttft_s'])):>8} "
+                  f"{fmt_s(np.mean(h['ttft_s']) if h else None):>8} {fmt_s(np.mean(q['tpot_s'])):>8} "
+                  f"{fmt_s(np.mean(h['tpot_s']) if h else None):>8} {100 * host['host_fraction']:>5.1f}% "
+                  f"{(100 * o['agreement']['identical_outputs'] if h else float('nan')):>5.0f}%")
+        for b, host in r["host"].items():
+            if host:
+                print(f"  host per decode step at batch {b}: step {fmt_s(host['step_s'])}, jitted step "
+                      f"{fmt_s(host['jit_step_s'])}, outside it {fmt_s(host['host_s'])} "
+                      f"({100 * host['host_fraction']:.1f}%: schedule {fmt_s(host['schedule_s'])}, inputs "
+                      f"{fmt_s(host['build_inputs_s'])}, sampler inputs {fmt_s(host['sampler_inputs_s'])}, sample+"
+                      f"transfer {fmt_s(host['sample_and_transfer_s'])}, commit/append "
+                      f"{fmt_s(host['outside_execute_s'])}); EngineStats.host_overhead says "
+                      f"{100 * host['engine_host_overhead']:.1f}%")
+        chat = r.get("chat")
+        if chat:
+            print(f"  multi-turn chat ({chat['chats']} chats, median TTFT per turn, one request at a time):")
+            print(f"  {'turn':>4} {'prompt':>6} {'TTFT on':>8} {'TTFT off':>8} {'on/off':>6} {'reused':>6} "
+                  f"{'lost':>5} {'same':>5}")
+            for t in chat["turns"]:
+                print(f"  {t['turn']:>4} {t['prompt_len']:>6.0f} {fmt_s(t['ttft_on_s']):>8} "
+                      f"{fmt_s(t['ttft_off_s']):>8} {t['ttft_ratio']:>6.2f} {t['reused_tokens']:>6} "
+                      f"{t['lost_to_missing_state_tokens']:>5} {100 * t['same_output']:>4.0f}%")
+    if report["targets"]:
+        print("\ntargets:")
+        for t in report["targets"]:
+            print(f"  [{'met' if t['met'] else 'NOT met'}] {t['target']}: {t['value']:.3g}")
+    print(f"\ntotal bench time {report['seconds']:.0f}s")
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, r in enumerate(report["results"]):
+        c = colors[i % len(colors)]
+        rows = r["offline"]
+        ax1.plot([o["batch"] for o in rows], [o["qnext"]["output_tokens_per_s"] for o in rows], "o-", color=c,
+                 label=f"qnext {r['model']}")
+        hf = [o for o in rows if "hf" in o]
+        if hf:
+            ax1.plot([o["batch"] for o in hf], [o["hf"]["output_tokens_per_s"] for o in hf], "s--", color=c,
+                     label=f"transformers {r['model']}")
+        ax1.plot([o["batch"] for o in rows], [o["floor_output_tokens_per_s"] for o in rows], ":", color=c,
+                 label=f"GEMM floor {r['model']}")
+        chat = r.get("chat")
+        if chat:
+            turns = [t["turn"] for t in chat["turns"]]
+            ax2.plot(turns, [t["ttft_off_s"] * 1e3 for t in chat["turns"]], "s--", color=c,
+                     label=f"{r['model']} cache off")
+            ax2.plot(turns, [t["ttft_on_s"] * 1e3 for t in chat["turns"]], "o-", color=c,
+                     label=f"{r['model']} cache on")
+    ax1.set(xscale="log", yscale="log", xlabel="batch (prompts at once)", ylabel="output tokens/s",
+            title=f"offline throughput ({report['dtype']})")
+    ax2.set(yscale="log", xlabel="chat turn", ylabel="TTFT (ms)", title="multi-turn chat TTFT, prefix caching")
+    for ax in (ax1, ax2):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(out_dir / "jax_cache"))
+    log = functools.partial(print, file=sys.stderr, flush=True)
+    hf_ok = False
+    if any(args.hf_batches.values()):
+        import torch
+        import transformers
+        torch.set_num_threads(args.threads)
+        hf_ok = True
+        log(f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads")
+    machine = f"{jax.devices()[0].platform} {jax.devices()[0].device_kind}, {platform.processor() or platform.machine()}"
+    results = [bench_model(name, args, hf_ok, log) for name in args.models]
+    report = {"dtype": args.dtype, "machine": machine, "jax": jax.__version__, "args": {
+        k: v for k, v in vars(args).items()}, "results": results, "targets": targets(results),
+        "seconds": time.perf_counter() - t0}
+    print_report(report)
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(report, indent=1, default=float) + "\n")
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        plot(report, args.plot)
+    return report
+
+
+if __name__ == "__main__":
+    main()

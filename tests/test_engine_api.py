@@ -1,0 +1,94 @@
+"""The user-facing API on a tiny checkpoint with a real tokenizer: text prompts, chat, stop conditions,
+streaming, logprobs, seeds, and no compilation after warm-up."""
+from __future__ import annotations
+
+import jax
+import pytest
+
+import qnext
+from qnext import SamplingParams
+from qnext.testing.tiny_tokenizer import tiny_eos_token_id
+
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=160, block_size=16,
+              num_gpu_blocks_override=40, max_num_snapshots=8)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    return qnext.LLM(tiny_checkpoint("qwen3_5"), **ENGINE)
+
+
+def test_warm_up_then_mixed_workload_compiles_nothing(llm):
+    llm.engine.runner.warm_up()
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        prompts = ["hello there", "a much longer prompt " * 6, "x", "the quick brown fox jumps over the lazy dog"]
+        llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n) for n in (3, 9, 1, 17)])
+        llm.generate(prompts[:2], SamplingParams(temperature=0.7, top_p=0.9, max_tokens=5, seed=1))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+
+
+def test_text_prompt_and_chat(llm):
+    out = llm.generate("Hello, world!", SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0]
+    tok = llm.get_tokenizer()
+    assert out.prompt_token_ids == tok.encode("Hello, world!")
+    assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids)
+    messages = [{"role": "user", "content": "What is a lighthouse?"}]
+    chat = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0]
+    assert chat.prompt_token_ids == tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+    assert len(chat.outputs[0].token_ids) == 5
+
+
+def test_stop_token_and_stop_string(llm):
+    base = llm.generate("Once upon a time", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    tokens = base.outputs[0].token_ids
+    stop_id = tokens[4]
+    out = llm.generate("Once upon a time", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                          stop_token_ids=[stop_id]))[0].outputs[0]
+    assert out.token_ids == tokens[:tokens.index(stop_id) + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+    text = base.outputs[0].text
+    # a 2-character stop string whose first occurrence is past the first third of the text
+    stop = next(text[i:i + 2] for i in range(len(text) // 3, len(text) - 1)
+                if len(text[i:i + 2].strip()) == 2 and text.index(text[i:i + 2]) == i)
+    out = llm.generate("Once upon a time", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                          stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[:text.index(stop)]
+
+
+def test_eos_finishes_unless_ignored(llm):
+    eos = tiny_eos_token_id(llm.engine.model_config.vocab_size)
+    assert eos in llm.engine.model_config.eos_token_ids
+    out = llm.generate("hi", SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
+
+
+def test_streaming_yields_the_same_text(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    full = llm.generate("Stream me", params)[0].outputs[0]
+    deltas = [delta for delta, _ in llm.stream("Stream me", params)]
+    assert "".join(deltas) == full.text
+    assert len(deltas) == len(full.token_ids)
+
+
+def test_logprobs_and_seeds(llm):
+    params = SamplingParams(temperature=0.9, max_tokens=6, logprobs=3, seed=42, ignore_eos=True)
+    a = llm.generate("seeded", params)[0].outputs[0]
+    b = llm.generate(["other prompt first", "seeded"], params)[1].outputs[0]
+    assert a.token_ids == b.token_ids
+    assert len(a.logprobs) == 6
+    for token, entry in zip(a.token_ids, a.logprobs):
+        assert token in entry and len(entry) >= 3
+        ranks = sorted(lp.rank for t, lp in entry.items() if t != token or lp.rank <= 3)
+        assert ranks[:3] == [1, 2, 3]
+        assert all(lp.logprob <= 0 for lp in entry.values())
+    assert a.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(a.token_ids, a.logprobs)))
