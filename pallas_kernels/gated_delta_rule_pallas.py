@@ -180,7 +180,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, length, state, read_row, write_row,
         in_specs=[_whole(a.shape) for a in args],
         out_specs=(_whole((n, c, hv, dv)), _whole(state.shape)),
         input_output_aliases={len(args) - 1: 1},
-        compiler_params=pltriton.CompilerParams(num_warps=4 if c * dk <= 64 * 64 else 8, num_stages=2),
+        # One stage: double-buffering q, k, W (f32 [C, dk] each) for the next group could exceed shared memory.
+        compiler_params=pltriton.CompilerParams(num_warps=4 if c * dk <= 64 * 64 else 8, num_stages=1),
         interpret=interpret,
         name="gdr_chunk_state",
     )(*args)

@@ -196,8 +196,9 @@ def replay(mgr: CacheManager, requests: list[Request], in_flight: int, chunk: in
     waiting = deque(enumerate(requests))
     running: list[_Running] = []
     rejected = preempted = 0
+    hold = False  # after a preemption, admit nothing until a request finishes (no thrashing)
     while waiting or running:
-        while waiting and len(running) < in_flight:
+        while waiting and len(running) < in_flight and not (hold and running):
             sid, req = waiting[0]
             adm = mgr.admit(sid, req.prompt_token_ids)
             if adm is None:
@@ -228,11 +229,16 @@ def replay(mgr: CacheManager, requests: list[Request], in_flight: int, chunk: in
             if r.computed >= r.final:
                 mgr.free(r.sid, r.tokens, r.final, finished=True)
                 running.remove(r)
+                hold = False
         if not progressed:  # every running request is stuck on memory: preempt the newest and retry it later
             r = running.pop()
             mgr.free(r.sid, r.tokens, r.computed, finished=False)
-            waiting.appendleft((r.sid, requests[r.sid]))
-            preempted += 1
+            if running:
+                waiting.appendleft((r.sid, requests[r.sid]))
+                preempted += 1
+                hold = True
+            else:
+                rejected += 1  # cannot finish even alone
     s = mgr.stats
     return {"reuse": s.reuse_rate, "prompt_tokens": s.prompt_tokens, "reused_tokens": s.reused_tokens,
             "lost_to_missing_state_tokens": s.lost_to_missing_state_tokens,
@@ -334,7 +340,7 @@ def ordering_violations(results: dict) -> list[str]:
     for name, w in results["workloads"].items():
         for budget, row in w["budgets"].items():
             for policy, r in row.items():
-                if policy not in ("qnext", "oracle") and r["reused_tokens"] > row["qnext"]["reused_tokens"]:
+                if "qnext" in row and policy not in ("qnext", "oracle") and r["reused_tokens"] > row["qnext"]["reused_tokens"]:
                     bad.append(f"{name} @ {budget}: {policy} reused {r['reused_tokens']} > qnext "
                                f"{row['qnext']['reused_tokens']}")
     return bad

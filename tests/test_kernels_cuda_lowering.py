@@ -69,18 +69,20 @@ def test_recurrent_gated_delta_rule_lowers_to_triton(qk_dtype, v_dtype):
     _assert_triton(text)
 
 
-def test_causal_conv1d_chunked_lowers_to_triton():
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_causal_conv1d_chunked_lowers_to_triton(dtype):
     rows, flags = S((N,), I32), S((N,), jnp.bool_)
     text = _lower_for_cuda(
         lambda *a: ops.causal_conv1d_chunked(*a, implementation="pallas"),
-        S((N, C, CONV_DIM), BF16), S((CONV_DIM, WIDTH), BF16), S((R, WIDTH - 1, CONV_DIM), BF16),
+        S((N, C, CONV_DIM), dtype), S((CONV_DIM, WIDTH), dtype), S((R, WIDTH - 1, CONV_DIM), dtype),
         rows, rows, rows, rows, flags, flags)
     _assert_triton(text)
 
 
-def test_causal_conv1d_update_lowers_to_triton():
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_causal_conv1d_update_lowers_to_triton(dtype):
     rows = S((N,), I32)
     text = _lower_for_cuda(
         lambda *a: ops.causal_conv1d_update(*a, implementation="pallas"),
-        S((N, CONV_DIM), BF16), S((CONV_DIM, WIDTH), BF16), S((R, WIDTH - 1, CONV_DIM), BF16), rows, rows, rows)
+        S((N, CONV_DIM), dtype), S((CONV_DIM, WIDTH), dtype), S((R, WIDTH - 1, CONV_DIM), dtype), rows, rows, rows)
     _assert_triton(text)

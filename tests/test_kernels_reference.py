@@ -60,15 +60,16 @@ class RowLayout:
 
 
 def random_row_layout(rng, seg_lens, c, *, num_pad=1):
-    """Segments of the given lengths, each restored (from its live row or a snapshot row) or fresh, with 0-2
-    capture cuts; cut into groups of <= c tokens (also at every capture); `num_pad` padding groups (length 0,
-    writing only to row 0) inserted between segments."""
+    """Segments of the given lengths, cycling through fresh / restored from the live row / restored from a snapshot
+    row, each with 1-2 capture cuts; cut into groups of <= c tokens (also at every capture); `num_pad` padding
+    groups (length 0, writing only to row 0) inserted between segments."""
     next_row = 1
     segments, start = [], 0
-    for n in seg_lens:
+    first_kind = rng.integers(3)
+    for i, n in enumerate(seg_lens):
         write_row = next_row
         next_row += 1
-        kind = rng.integers(3)
+        kind = (first_kind + i) % 3
         if kind == 0:
             read_row = -1
         elif kind == 1:
@@ -76,7 +77,7 @@ def random_row_layout(rng, seg_lens, c, *, num_pad=1):
         else:
             read_row, next_row = next_row, next_row + 1
         captures = {}
-        for p in sorted(rng.choice(np.arange(1, n + 1), size=min(n, int(rng.integers(3))), replace=False)):
+        for p in sorted(rng.choice(np.arange(1, n + 1), size=min(n, 1 + int(rng.integers(2))), replace=False)):
             captures[int(p)], next_row = next_row, next_row + 1
         segments.append(Segment(start, n, read_row, write_row, captures))
         start += n

@@ -1,0 +1,45 @@
+"""scripts/bench.py --quick runs end to end and its JSON carries every figure the README table is built from."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_quick_writes_json_and_plot(tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--out-dir",
+                           str(tmp_path / "bench_out"), "--json-out", str(out), "--plot", str(png)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "batch qnext tok/s" in proc.stdout
+    assert png.stat().st_size > 0
+
+    report = json.loads(out.read_text())
+    assert {"dtype", "machine", "results", "targets", "seconds"} <= report.keys()
+    (tiny,) = report["results"]
+    assert tiny["model"] == "tiny"
+    assert {"gemm", "offline", "host", "chat", "flops_per_token_matmul", "engine_options", "compile"} <= tiny.keys()
+    assert [row["batch"] for row in tiny["offline"]] == [1, 4]
+    for row in tiny["offline"]:
+        q = row["qnext"]
+        assert q["compilations"] == 0, "a step shape compiled while timed"
+        assert q["output_tokens_per_s"] > 0 and len(q["ttft_s"]) == row["batch"] == len(q["tpot_s"])
+        assert 0 < q["fraction_of_floor"] and row["floor_output_tokens_per_s"] > 0
+        assert row["flops"]["prefill"] > 0 and row["flops"]["decode"] > 0
+        host = q["host_full_decode"]
+        assert 0 <= host["host_fraction"] < 1 and host["jit_step_s"] > 0
+    for rates in tiny["gemm"].values():
+        assert rates["float32"]["flops_per_s"] > 0 and rates["bfloat16"]["flops_per_s"] > 0
+
+    chat = tiny["chat"]
+    assert chat["compilations_while_timed"] == 0
+    first, second = chat["turns"]
+    assert first["reused_tokens"] == 0 and second["reused_tokens"] > 0
+    assert second["same_output"] == 1.0, "prefix caching changed the greedy output"
+    assert {"ttft_on_s", "ttft_off_s", "ttft_ratio", "lost_to_missing_state_tokens"} <= second.keys()
