@@ -6,7 +6,9 @@ Every usable block (ids 1..num_blocks-1; block 0 is the dummy that padding write
 - free: unreferenced and unpublished.
 Published blocks form a trie (each knows its parent hash and its number of cached children). Only unreferenced
 leaves are evicted, least recently used first, so the ancestors of a cached block are always cached: a prefix
-match of depth k means blocks 1..k are all resident. Every eviction path reports the evicted ids to `on_evict`
+match of depth k means blocks 1..k are all resident. Leaves marked `protected` (the cache manager marks the
+terminal blocks of mamba snapshots) go only when no unprotected leaf is left: for a hybrid model a KV tail past
+the deepest snapshot cannot be reused without recomputing it, so it is cheaper to lose. Every eviction path reports the evicted ids to `on_evict`
 (the cache manager invalidates the mamba snapshots tied to them).
 """
 import heapq
@@ -17,7 +19,8 @@ NULL_BLOCK = 0
 
 
 class _Block:
-    __slots__ = ("block_id", "ref_count", "hash", "parent_hash", "token_ids", "num_children", "last_used")
+    __slots__ = ("block_id", "ref_count", "hash", "parent_hash", "token_ids", "num_children", "last_used",
+                 "protected")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -27,6 +30,7 @@ class _Block:
         self.token_ids: tuple[int, ...] | None = None
         self.num_children = 0
         self.last_used = 0
+        self.protected = False
 
 
 class BlockPool:
@@ -40,7 +44,8 @@ class BlockPool:
         self._blocks = [_Block(i) for i in range(num_blocks)]
         self._free: deque[int] = deque(range(1, num_blocks))
         self._by_hash: dict[bytes, int] = {}
-        self._leaf_lru: list[tuple[int, int]] = []  # heap of (last_used, block_id); stale entries skipped lazily
+        # two heaps (unprotected, protected) of (last_used, block_id); stale entries are skipped lazily
+        self._leaf_lru: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])
         self._clock = 0
         self._num_unreferenced_cached = 0
 
@@ -169,6 +174,15 @@ class BlockPool:
             self.evict(len(self._by_hash) - self.max_cached_blocks)
         return True
 
+    def set_protected(self, block_id: int, protected: bool) -> None:
+        """Evict this block only after every unprotected leaf (it ends a snapshot's prefix)."""
+        b = self._blocks[block_id]
+        if b.hash is None or b.protected == protected:
+            return
+        b.protected = protected
+        if self._evictable(b):
+            self._push_leaf(b)
+
     # ---- eviction paths (each reports to on_evict) ------------------------------------------------------------------
     def evict(self, n: int) -> list[int]:
         """Evict up to n unreferenced cached leaves, least recently used first; they become free."""
@@ -203,10 +217,12 @@ class BlockPool:
             b = self._blocks[block_id]
             b.hash = b.parent_hash = b.token_ids = None
             b.num_children = 0
+            b.protected = False
             if b.ref_count == 0:
                 self._free.append(block_id)
         self._by_hash.clear()
-        self._leaf_lru.clear()
+        for heap in self._leaf_lru:
+            heap.clear()
         self._num_unreferenced_cached = 0
         if evicted:
             self.on_evict(evicted)
@@ -217,18 +233,26 @@ class BlockPool:
         return b.hash is not None and b.ref_count == 0 and b.num_children == 0
 
     def _push_leaf(self, b: _Block) -> None:
-        heapq.heappush(self._leaf_lru, (b.last_used, b.block_id))
-        if len(self._leaf_lru) > 4 * self.num_blocks + 64:
-            self._leaf_lru = [(x.last_used, x.block_id) for x in self._blocks if self._evictable(x)]
-            heapq.heapify(self._leaf_lru)
+        heap = self._leaf_lru[b.protected]
+        heapq.heappush(heap, (b.last_used, b.block_id))
+        if len(heap) > 4 * self.num_blocks + 64:
+            heap[:] = [(x.last_used, x.block_id) for x in self._blocks if self._evictable(x) and x.protected == b.protected]
+            heapq.heapify(heap)
+
+    def _pop_leaf(self) -> _Block | None:
+        for protected, heap in enumerate(self._leaf_lru):
+            while heap:
+                last_used, block_id = heapq.heappop(heap)
+                b = self._blocks[block_id]
+                if self._evictable(b) and b.last_used == last_used and b.protected == protected:
+                    return b
+        return None
 
     def _evict_one(self) -> int | None:
         """Unpublish the LRU unreferenced leaf; its parent may become an evictable leaf. Caller reports the id."""
-        while self._leaf_lru:
-            last_used, block_id = heapq.heappop(self._leaf_lru)
-            b = self._blocks[block_id]
-            if not self._evictable(b) or b.last_used != last_used:
-                continue
+        b = self._pop_leaf()
+        if b is not None:
+            block_id = b.block_id
             del self._by_hash[b.hash]
             if b.parent_hash is not None:
                 parent = self._blocks[self._by_hash[b.parent_hash]]
@@ -236,6 +260,7 @@ class BlockPool:
                 if self._evictable(parent):
                     self._push_leaf(parent)
             b.hash = b.parent_hash = b.token_ids = None
+            b.protected = False
             self._num_unreferenced_cached -= 1
             return block_id
         return None

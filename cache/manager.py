@@ -11,7 +11,7 @@ from typing import Hashable, Sequence
 from cache.block_pool import BlockPool
 from cache.hashing import block_hashes, extend_block_hashes
 from cache.mamba_registry import MambaPrefixRegistry
-from cache.snapshot_pool import NUM_PRIORITIES, SnapshotPool
+from cache.snapshot_pool import SnapshotPool
 from cache.stats import CacheStats
 
 
@@ -52,9 +52,14 @@ class _Sequence:
     decode_row: int | None = None
     decode_position: int = 0
     publish_cursor: int = 0                  # blocks [0, cursor) are published (own or pinned under own children)
+    branch_position: int = 0                 # where the KV match outran the state match (0: it did not)
+    restored_hash: bytes | None = None
+    prompt_end_hashes: list[bytes] = field(default_factory=list)  # prompt-end snapshots this sequence registered
 
 
 class CacheManager:
+    protect_snapshot_blocks = False  # KV leaves ending a snapshot's prefix are evicted after all other leaves
+
     def __init__(self, config: CacheConfig):
         self.config = config
         self.stats = CacheStats()
@@ -104,21 +109,28 @@ class CacheManager:
         if self.config.enable_prefix_caching:  # the last prompt token is never served from cache
             matched = self.blocks.match(hashes[:(n - 1) // bs], prompt_token_ids, bs)
         depth = self._resolve(hashes, matched)
+        restore_row = None
+        if depth and self.config.hybrid:  # pinned first: evictions below may drop the snapshot, never its row
+            restore_row = self.snapshots.row_of(hashes[depth - 1])
+            self.snapshots.pin(restore_row)
         self.blocks.acquire(matched[:depth])
         fresh = self.blocks.allocate(-(-n // bs) - depth)
         if fresh is None:
             self.blocks.release(matched[:depth])
+            if restore_row is not None:
+                self.snapshots.unpin(restore_row)
             self.stats.admission_failures += 1
             return None
         seq = _Sequence(prompt_len=n, hashes=hashes, block_table=matched[:depth] + fresh,
-                        state_row=self._free_slots.pop(), num_cached_tokens=depth * bs, capture_plan=[])
-        restore_row = None
-        if depth and self.config.hybrid:
-            restore_row = self.snapshots.row_of(hashes[depth - 1])
-            self.snapshots.pin(restore_row)
-            self.snapshots.touch(hashes[depth - 1])
-            seq.pinned_row = restore_row
+                        state_row=self._free_slots.pop(), num_cached_tokens=depth * bs, capture_plan=[],
+                        pinned_row=restore_row)
+        if restore_row is not None:
+            seq.restored_hash = hashes[depth - 1]
+            if seq.restored_hash in self.snapshots:
+                self._on_restore(seq.restored_hash)
             self.stats.snapshots_restored += 1
+        if len(matched) > depth:
+            seq.branch_position = len(matched) * bs
         if self.uses_snapshots:
             seq.capture_plan = [p for p in self._plan_captures(n, len(matched), depth)
                                 if depth * bs < p <= n and not self._has_snapshot(hashes[p // bs - 1])]
@@ -193,8 +205,9 @@ class CacheManager:
             else:
                 self.snapshots.release(row)
         if seq.decode_row is not None:
-            if 0 < seq.decode_position <= num_computed_tokens:
-                self._register(seq, seq.decode_position, seq.decode_row)
+            if 0 < seq.decode_position <= num_computed_tokens and self._register(seq, seq.decode_position,
+                                                                                  seq.decode_row):
+                self._on_superseded(seq)
             else:
                 self.snapshots.release(seq.decode_row)
         self._unpin(seq)
@@ -249,18 +262,37 @@ class CacheManager:
             elif cached == own:
                 seq.publish_cursor = i + 1
 
-    def _register(self, seq: _Sequence, position: int, row: int) -> None:
+    def _register(self, seq: _Sequence, position: int, row: int) -> bool:
         prefix_hash = seq.hashes[position // self.config.block_size - 1]
         terminal = self.blocks.cached_block(prefix_hash)
         if terminal is None:  # its KV is not cached (prefix caching off, or cleared): the state is useless
             self.snapshots.release(row)
-            return
+            return False
+        old = self.registry.mamba_prefix_block_by_hash.get(prefix_hash)
         self.registry.capture_mamba_prefix_state(prefix_hash, terminal)
         self.snapshots.register(prefix_hash, row, self._snapshot_priority(seq, position))
+        self._sync_protection(terminal)
+        if old is not None and old != terminal:
+            self._sync_protection(old)
         self.stats.snapshots_captured += 1
+        if position <= seq.prompt_len and position != seq.branch_position:
+            seq.prompt_end_hashes.append(prefix_hash)
+        return True
 
     def _snapshot_priority(self, seq: _Sequence, position: int) -> int:
-        return NUM_PRIORITIES - 1
+        return 0  # probation until its first hit
+
+    def _on_restore(self, prefix_hash: bytes) -> None:
+        self.snapshots.promote(prefix_hash, max_protected=self.config.num_snapshot_slots * 3 // 4)
+
+    def _on_superseded(self, seq: _Sequence) -> None:
+        """A finished sequence registered a deeper snapshot on its own path: the next turn continues from that one,
+        so its prompt-end snapshots, and the one it restored if nobody else used it, are evicted first."""
+        stale = list(seq.prompt_end_hashes)
+        if seq.restored_hash is not None and self.snapshots.hits(seq.restored_hash) == 1:
+            stale.append(seq.restored_hash)
+        for prefix_hash in stale:
+            self.snapshots.demote(prefix_hash)
 
     def _has_snapshot(self, prefix_hash: bytes) -> bool:
         return prefix_hash in self.registry.valid_mamba_prefix_hashes and prefix_hash in self.snapshots
@@ -272,8 +304,15 @@ class CacheManager:
                 self.stats.snapshots_invalidated += 1
 
     def _on_snapshot_evicted(self, prefix_hash: bytes) -> None:
+        block = self.registry.mamba_prefix_block_by_hash.get(prefix_hash)
         self.registry.invalidate_mamba_prefix_hash(prefix_hash)
+        if block is not None:
+            self._sync_protection(block)
         self.stats.snapshots_evicted += 1
+
+    def _sync_protection(self, block: int) -> None:
+        if self.protect_snapshot_blocks:
+            self.blocks.set_protected(block, block in self.registry.mamba_prefix_hashes_by_block)
 
     # ---- internals ------------------------------------------------------------------------------------------------
     def _seq(self, seq_id) -> _Sequence:

@@ -1,8 +1,10 @@
 """Rows of the device state buffer that hold mamba prefix snapshots (plain Python, no jax).
 
 A row is free, reserved (a step is writing a state into it; not restorable yet), or holds a registered snapshot
-keyed by its prefix hash. Registered snapshots are evicted least recently used first, lower `priority` classes
-before higher ones; pinned rows (a restore is scheduled from them) are never evicted or freed until unpinned.
+keyed by its prefix hash. Registered snapshots sit in two LRU segments, probation (0) and protected (1): eviction
+takes the least recently used of probation first, then of protected. The cache manager registers new snapshots on
+probation and promotes one on a hit (a segmented LRU, so one-off snapshots cannot flush a shared prefix's state).
+Pinned rows (a restore is scheduled from them) are never evicted or freed until unpinned.
 Discarding a pinned snapshot unregisters it at once and frees its row at the last unpin.
 """
 from collections import OrderedDict
@@ -20,6 +22,7 @@ class SnapshotPool:
         self._lru: list[OrderedDict[bytes, int]] = [OrderedDict() for _ in range(NUM_PRIORITIES)]
         self._priority: dict[bytes, int] = {}
         self._pins: dict[int, int] = {}
+        self._hits: dict[bytes, int] = {}
         self._doomed: set[int] = set()
 
     @property
@@ -65,7 +68,7 @@ class SnapshotPool:
         self._reserved.remove(row)
         self._free.append(row)
 
-    def register(self, prefix_hash: bytes, row: int, priority: int = NUM_PRIORITIES - 1) -> None:
+    def register(self, prefix_hash: bytes, row: int, priority: int = 0) -> None:
         """A reserved row now holds the state for prefix_hash; an older row for the same hash is dropped."""
         self._reserved.remove(row)
         self.discard(prefix_hash)
@@ -74,6 +77,22 @@ class SnapshotPool:
 
     def touch(self, prefix_hash: bytes) -> None:
         self._lru[self._priority[prefix_hash]].move_to_end(prefix_hash)
+
+    def hits(self, prefix_hash: bytes) -> int:
+        return self._hits.get(prefix_hash, 0)
+
+    def promote(self, prefix_hash: bytes, max_protected: int) -> None:
+        """Count a hit and move the snapshot to the protected segment's MRU end; if that segment then holds more
+        than max_protected, its LRU snapshot drops back to probation's MRU end."""
+        self._hits[prefix_hash] = self._hits.get(prefix_hash, 0) + 1
+        p = self._priority[prefix_hash]
+        row = self._lru[p].pop(prefix_hash)
+        self._priority[prefix_hash] = NUM_PRIORITIES - 1
+        self._lru[-1][prefix_hash] = row
+        while len(self._lru[-1]) > max(max_protected, 1):
+            old, old_row = self._lru[-1].popitem(last=False)
+            self._priority[old] = 0
+            self._lru[0][old] = old_row
 
     def demote(self, prefix_hash: bytes) -> None:
         """Move a snapshot to the front of the lowest priority class (first to be evicted)."""
@@ -103,6 +122,7 @@ class SnapshotPool:
         p = self._priority.pop(prefix_hash, None)
         if p is None:
             return False
+        self._hits.pop(prefix_hash, None)
         row = self._lru[p].pop(prefix_hash)
         if row in self._pins:
             self._doomed.add(row)

@@ -31,8 +31,12 @@ Policies (simplifications in brackets):
   pool 0.9/1.9 of the budget, of which 2 rows per running request (live + one track slot, no overlap) are not
   cache [block granularity = page = our block size; no HiCache; chunk ends at 8192 tokens also tracked].
 - qnext: the real CacheManager, unmodified; snapshot rows = --qnext-snapshot-fraction of the non-live memory.
-- oracle: unbounded memory, a snapshot at every block boundary of every prompt and decode; the most any block-
-  granular policy with the same publish timing can reuse.
+- oracle: unbounded memory, a snapshot at every block boundary of every prompt and decode, one request at a time
+  (so every request sees all earlier ones): the most any block-granular policy can reuse on this request order.
+
+Reuse = (tokens a cold run computes - tokens computed) / prompt tokens, so prefill recomputed after a preemption
+counts against a policy. Policies that keep less memory for KV admit fewer requests at once; the replay models that
+(admission waits for memory) but reports reuse, not throughput.
 """
 import argparse
 import json
@@ -58,6 +62,7 @@ class Request:
 
 # ---- peers, modelled on the real manager -----------------------------------------------------------------------------
 class SeedManager(CacheManager):
+    protect_snapshot_blocks = False
     chunk = 8192
     prefix_cache_ratio = 0.65
 
@@ -90,6 +95,12 @@ class SeedManager(CacheManager):
     def _snapshot_priority(self, seq, position):
         return 1 if position <= seq.prompt_len else 0  # "preserved" prefill snapshots outlive decode ones
 
+    def _on_restore(self, prefix_hash):
+        self.snapshots.touch(prefix_hash)
+
+    def _on_superseded(self, seq):
+        pass
+
 
 class DisableAllManager(SeedManager):
     disabled = False
@@ -112,6 +123,7 @@ class DisableAllManager(SeedManager):
 
 
 class SGLangManager(CacheManager):
+    protect_snapshot_blocks = False
     chunk = 8192
     track_interval = 256
 
@@ -132,6 +144,12 @@ class SGLangManager(CacheManager):
         else:
             self._unpin(seq)  # decode steps insert nothing
 
+    def _on_restore(self, prefix_hash):
+        self.snapshots.touch(prefix_hash)  # one LRU; a hit refreshes only the consumed state
+
+    def _on_superseded(self, seq):
+        pass
+
     def free(self, seq_id, token_ids, num_computed_tokens, finished):
         seq = self._seq(seq_id)
         kept = max(seq.prompt_len, seq.decode_position if seq.decode_row is not None else 0)
@@ -139,9 +157,11 @@ class SGLangManager(CacheManager):
 
 
 class OracleManager(SeedManager):
+    protect_snapshot_blocks = True
     prefix_cache_ratio = 1.0
     commit = CacheManager.commit
     free = CacheManager.free
+    _on_restore = CacheManager._on_restore
 
     def _plan_captures(self, prompt_len, kv_matched_blocks, restored_blocks):
         bs = self.config.block_size
@@ -195,7 +215,7 @@ def replay(mgr: CacheManager, requests: list[Request], in_flight: int, chunk: in
     bs = mgr.config.block_size
     waiting = deque(enumerate(requests))
     running: list[_Running] = []
-    rejected = preempted = 0
+    rejected = preempted = computed = 0
     hold = False  # after a preemption, admit nothing until a request finishes (no thrashing)
     while waiting or running:
         while waiting and len(running) < in_flight and not (hold and running):
@@ -223,6 +243,7 @@ def replay(mgr: CacheManager, requests: list[Request], in_flight: int, chunk: in
                     continue
                 if end % bs == 0:
                     mgr.decode_capture_row(r.sid, end)
+            computed += end - r.computed
             r.computed = end
             progressed = True
             mgr.commit(r.sid, r.tokens, end)
@@ -239,8 +260,11 @@ def replay(mgr: CacheManager, requests: list[Request], in_flight: int, chunk: in
                 hold = True
             else:
                 rejected += 1  # cannot finish even alone
+    # Work saved = what a cold run computes minus what was computed (recomputation after preemption counts as waste).
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    cold = sum(len(r.prompt_token_ids) + max(len(r.output_token_ids) - 1, 0) for r in requests)
     s = mgr.stats
-    return {"reuse": s.reuse_rate, "prompt_tokens": s.prompt_tokens, "reused_tokens": s.reused_tokens,
+    return {"reuse": (cold - computed) / prompt_tokens, "prompt_tokens": prompt_tokens, "reused_tokens": cold - computed,
             "lost_to_missing_state_tokens": s.lost_to_missing_state_tokens,
             "snapshots_captured": s.snapshots_captured, "snapshots_evicted": s.snapshots_evicted,
             "snapshots_invalidated": s.snapshots_invalidated, "kv_blocks": mgr.config.num_blocks - 1,
@@ -321,7 +345,7 @@ def run(args) -> dict:
         per_budget = {}
         oracle = None
         if "oracle" in args.policies:
-            oracle = replay(build_manager("oracle", 0, args, requests), requests, args.in_flight, args.chunk)
+            oracle = replay(build_manager("oracle", 0, args, requests), requests, 1, args.chunk)
         for budget in args.budgets:
             row = {}
             for policy in args.policies:

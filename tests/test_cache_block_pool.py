@@ -138,3 +138,15 @@ def test_block_zero_is_never_handed_out():
     pool = BlockPool(4)
     got = pool.allocate(3)
     assert sorted(got) == [1, 2, 3] and pool.allocate(1) is None
+
+
+def test_protected_leaves_go_after_every_unprotected_leaf():
+    pool = BlockPool(16)
+    a = fill(pool, list(range(8)))
+    b = fill(pool, list(range(100, 108)))
+    pool.release(a)
+    pool.release(b)
+    pool.set_protected(a[1], True)  # a's tail ends a snapshot; a is the older chain
+    assert pool.evict(2) == [b[1], b[0]]
+    assert pool.evict(1) == [a[1]]  # only protected left: LRU among them; then its parent
+    assert pool.evict(1) == [a[0]]

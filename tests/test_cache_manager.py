@@ -1,6 +1,6 @@
 import pytest
 
-from cache import CacheConfig, CacheManager
+from cache import CacheConfig, CacheManager, block_hashes
 
 BS = 4
 
@@ -186,3 +186,33 @@ def test_bad_calls_say_what_is_wrong():
         m.admit("z", [])
     with pytest.raises(KeyError):
         m.block_table("nope")
+
+
+def test_a_shared_prefix_state_survives_churn_of_one_off_snapshots():
+    m = make(snaps=4)
+    system = list(range(100, 108))
+    run(m, "a", system + [1] * 5)
+    run(m, "b", system + [2] * 5)            # branch point 8 captured
+    for i in range(6):                       # each hits 8 and leaves one-off snapshots behind
+        adm, _ = run(m, f"q{i}", system + [10 + i] * 5, output=[7] * 6)
+        assert adm.num_cached_tokens == 8
+    assert m.stats.snapshots_evicted > 0
+
+
+def test_a_finished_turn_supersedes_its_prompt_end_and_restored_snapshots():
+    m = make(snaps=8)
+    _, h1 = run(m, "t1", list(range(10)), output=[50] * 7)     # prompt end 8, finish 16
+    _, h2 = run(m, "t2", h1 + [60, 61, 62], output=[70] * 6)   # restores 16 (its only hit); prompt end 20, finish 24
+    at = {p: block_hashes(h2, BS)[p // BS - 1] for p in (8, 16, 20, 24)}
+    assert list(m.snapshots._lru[0]) == [at[16], at[20], at[8], at[24]]  # eviction order
+
+
+def test_kv_tail_ending_a_snapshot_outlives_a_newer_tail_without_one():
+    m = make(num_blocks=12)
+    run(m, "a", list(range(9)))              # snapshot at 8, tied to a's block 2
+    b = list(range(50, 59))
+    m.admit("b", b)
+    m.commit("b", b, 9)                      # published without any capture
+    m.free("b", b, 9, finished=True)
+    m.evict_cached_blocks(2)                 # b's chain goes first although it is newer
+    assert m.admit("c", list(range(9))).num_cached_tokens == 8

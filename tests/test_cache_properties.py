@@ -152,6 +152,7 @@ class CacheMachine(RuleBasedStateMachine):
             prefix = self.kv[b]
             assert len(prefix) % BS == 0 and block_hashes(prefix, BS)[-1] == h
             assert pool.block_tokens(b) == prefix[-BS:]
+            assert pool._blocks[b].protected == (b in self.m.registry.mamba_prefix_hashes_by_block)
             parent = pool._blocks[b].parent_hash
             assert parent is None or parent in pool._by_hash
 

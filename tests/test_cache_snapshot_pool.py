@@ -42,3 +42,23 @@ def test_reregistering_a_hash_frees_the_old_row_and_demoted_go_first():
     pool.register(H[2], pool.reserve())
     pool.reserve()
     assert evicted == [H[1]]
+
+
+def test_segmented_lru_keeps_a_hit_snapshot_against_one_off_churn():
+    evicted = []
+    pool = SnapshotPool(range(1, 4), on_evict=evicted.append)
+    pool.register(H[0], pool.reserve())
+    pool.promote(H[0], max_protected=2)
+    assert pool.hits(H[0]) == 1
+    for h in H[1:5]:  # four one-off snapshots through a pool of three
+        pool.register(h, pool.reserve())
+    assert H[0] in pool and evicted == [H[1], H[2]]
+
+
+def test_protected_segment_is_capped():
+    pool = SnapshotPool(range(1, 4))
+    for h in H[:3]:
+        pool.register(h, pool.reserve())
+        pool.promote(h, max_protected=2)
+    pool.reserve()  # H[0] fell back to probation when H[2] was promoted: it goes first
+    assert H[0] not in pool and H[1] in pool and H[2] in pool
