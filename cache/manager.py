@@ -58,7 +58,7 @@ class _Sequence:
 
 
 class CacheManager:
-    protect_snapshot_blocks = False  # KV leaves ending a snapshot's prefix are evicted after all other leaves
+    protect_snapshot_blocks = True  # KV leaves ending a snapshot's prefix are evicted after all other leaves
 
     def __init__(self, config: CacheConfig):
         self.config = config
