@@ -8,8 +8,8 @@ Published blocks form a trie (each knows its parent hash and its number of cache
 leaves are evicted, least recently used first, so the ancestors of a cached block are always cached: a prefix
 match of depth k means blocks 1..k are all resident. Leaves marked `protected` (the cache manager marks the
 terminal blocks of mamba snapshots) go only when no unprotected leaf is left: for a hybrid model a KV tail past
-the deepest snapshot cannot be reused without recomputing it, so it is cheaper to lose. Every eviction path reports the evicted ids to `on_evict`
-(the cache manager invalidates the mamba snapshots tied to them).
+the deepest snapshot cannot be reused without recomputing it, so it is cheaper to lose. Every eviction path
+reports the evicted ids to `on_evict` (the cache manager invalidates the mamba snapshots tied to them).
 """
 import heapq
 from collections import deque
@@ -236,7 +236,8 @@ class BlockPool:
         heap = self._leaf_lru[b.protected]
         heapq.heappush(heap, (b.last_used, b.block_id))
         if len(heap) > 4 * self.num_blocks + 64:
-            heap[:] = [(x.last_used, x.block_id) for x in self._blocks if self._evictable(x) and x.protected == b.protected]
+            heap[:] = [(x.last_used, x.block_id) for x in self._blocks
+                       if self._evictable(x) and x.protected == b.protected]
             heapq.heapify(heap)
 
     def _pop_leaf(self) -> _Block | None:

@@ -16,7 +16,8 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> by
 def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int, num_blocks: int) -> list[bytes]:
     """Append the chain hashes of full blocks len(hashes)..num_blocks-1 of `token_ids` to `hashes` (in place)."""
     if num_blocks * block_size > len(token_ids):
-        raise ValueError(f"{num_blocks} blocks of {block_size} need {num_blocks * block_size} tokens; got {len(token_ids)}")
+        raise ValueError(f"{num_blocks} blocks of {block_size} tokens need {num_blocks * block_size} tokens; "
+                         f"got {len(token_ids)}")
     for i in range(len(hashes), num_blocks):
         hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * block_size:(i + 1) * block_size]))
     return hashes

@@ -36,7 +36,7 @@ class Admission:
     block_table: list[int]       # blocks covering the whole prompt (shared cached ones first, then fresh)
     state_row: int               # the sequence's live state row
     restore_row: int | None      # snapshot row holding the state after num_cached_tokens tokens (None if 0 cached)
-    kv_matched_tokens: int       # raw KV match before trimming to a usable snapshot
+    kv_matched_tokens: int       # raw KV match before trimming to a usable snapshot (also <= prompt_len - 1)
 
 
 @dataclass
@@ -197,7 +197,8 @@ class CacheManager:
         """Release a sequence. Published blocks stay matchable; reserved captures whose step ran and the decode
         tracking snapshot (if its position was computed) are registered, the other reserved rows freed. A preempted
         sequence's tracking snapshot is kept too: it is exact, and its re-admission will match it."""
-        seq = self._seqs.pop(seq_id)
+        seq = self._seq(seq_id)
+        del self._seqs[seq_id]
         self._publish(seq, token_ids, num_computed_tokens)
         for position, row in sorted(seq.pending_captures.items()):
             if position <= num_computed_tokens:

@@ -121,11 +121,14 @@ def recurrent_gated_delta_rule_reference(q, k, v, g, beta, state, read_row, writ
     hv = v.shape[1]
     f32 = jnp.float32
     q, k = _expand_heads(q.astype(f32), hv), _expand_heads(k.astype(f32), hv)
-    s = _gather_rows(state, read_row) * jnp.exp(g.astype(f32))[..., None, None]
-    pred = jnp.einsum("nhk,nhkv->nhv", k, s, precision=_HIGHEST)
-    delta = beta.astype(f32)[..., None] * (v.astype(f32) - pred)
-    s = s + k[..., :, None] * delta[..., None, :]
-    o = jnp.einsum("nhk,nhkv->nhv", q, s, precision=_HIGHEST)
+    decay = jnp.exp(g.astype(f32))[..., None]                                # [N, Hv, 1]
+    s = _gather_rows(state, read_row)
+    # Both reads of S in one pass over it, from the state BEFORE the update (memory-bound on CPU):
+    #   S^T k and S^T q; then delta = beta (v - e^g S^T k) and o = e^g S^T q + (k.q) delta.
+    reads = jnp.einsum("nhkj,nhkv->nhjv", jnp.stack([k, q], axis=-1), s, precision=_HIGHEST)
+    delta = beta.astype(f32)[..., None] * (v.astype(f32) - decay * reads[..., 0, :])
+    o = decay * reads[..., 1, :] + jnp.sum(k * q, axis=-1, keepdims=True) * delta
+    s = decay[..., None] * s + k[..., :, None] * delta[..., None, :]
     return o, _write_rows(state, s, write_row, jnp.ones_like(read_row, bool), capture_row)
 
 

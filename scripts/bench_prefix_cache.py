@@ -168,7 +168,7 @@ class OracleManager(SeedManager):
         return list(range(bs, prompt_len + 1, bs))
 
 
-# ---- memory split -----------------------------------------------------------------------------------------------------
+# ---- memory split --------------------------------------------------------------------------------------------------
 def build_manager(policy: str, budget: int, args, requests=()) -> CacheManager:
     """Split `budget` KV-token units between KV blocks and snapshot rows by the policy's own rule (the oracle gets
     room for every block and boundary state of `requests`)."""
@@ -198,7 +198,7 @@ def build_manager(policy: str, budget: int, args, requests=()) -> CacheManager:
     return cls(CacheConfig(block_size=bs, num_blocks=blocks + 1, num_live_slots=live, num_snapshot_slots=snaps))
 
 
-# ---- replay -----------------------------------------------------------------------------------------------------------
+# ---- replay --------------------------------------------------------------------------------------------------------
 class _Running:
     __slots__ = ("sid", "tokens", "prompt_len", "final", "computed", "plan")
 
@@ -264,14 +264,15 @@ def replay(mgr: CacheManager, requests: list[Request], in_flight: int, chunk: in
     prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
     cold = sum(len(r.prompt_token_ids) + max(len(r.output_token_ids) - 1, 0) for r in requests)
     s = mgr.stats
-    return {"reuse": (cold - computed) / prompt_tokens, "prompt_tokens": prompt_tokens, "reused_tokens": cold - computed,
+    return {"reuse": (cold - computed) / prompt_tokens, "prompt_tokens": prompt_tokens,
+            "reused_tokens": cold - computed,
             "lost_to_missing_state_tokens": s.lost_to_missing_state_tokens,
             "snapshots_captured": s.snapshots_captured, "snapshots_evicted": s.snapshots_evicted,
             "snapshots_invalidated": s.snapshots_invalidated, "kv_blocks": mgr.config.num_blocks - 1,
             "snapshot_rows": mgr.config.num_snapshot_slots, "rejected": rejected, "preempted": preempted}
 
 
-# ---- workloads --------------------------------------------------------------------------------------------------------
+# ---- workloads -----------------------------------------------------------------------------------------------------
 def _toks(rng: random.Random, n: int) -> tuple[int, ...]:
     return tuple(rng.randrange(1, 150_000) for _ in range(n))
 
@@ -334,7 +335,7 @@ def load_trace(path: str) -> list[Request]:
     return out
 
 
-# ---- driver -----------------------------------------------------------------------------------------------------------
+# ---- driver --------------------------------------------------------------------------------------------------------
 def run(args) -> dict:
     if args.trace:
         workloads = {Path(args.trace).stem: load_trace(args.trace)}
@@ -363,8 +364,9 @@ def ordering_violations(results: dict) -> list[str]:
     bad = []
     for name, w in results["workloads"].items():
         for budget, row in w["budgets"].items():
+            best = row.get("qnext", {}).get("reused_tokens")
             for policy, r in row.items():
-                if "qnext" in row and policy not in ("qnext", "oracle") and r["reused_tokens"] > row["qnext"]["reused_tokens"]:
+                if best is not None and policy not in ("qnext", "oracle") and r["reused_tokens"] > best:
                     bad.append(f"{name} @ {budget}: {policy} reused {r['reused_tokens']} > qnext "
                                f"{row['qnext']['reused_tokens']}")
     return bad
@@ -403,9 +405,11 @@ def plot(results: dict, path: str) -> None:
             ys = [100 * budgets[b][policy]["reuse"] for b in budgets]
             ax.plot(xs, ys, marker="o", label=policy, linestyle="--" if policy == "oracle" else "-")
         ax.set_xscale("log")
+        ax.set_xticks(xs, [_fmt_tokens(x) for x in xs])
+        ax.minorticks_off()
         ax.set_title(name)
         ax.set_xlabel("memory budget (KV tokens)")
-        ax.set_ylim(0, 100)
+        ax.set_ylim(min(0, ax.get_ylim()[0]), 100)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("prompt tokens reused (%)")
     axes[0][-1].legend(fontsize=8)

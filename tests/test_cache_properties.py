@@ -33,16 +33,14 @@ class CacheMachine(RuleBasedStateMachine):
         self.next_id = 0
 
     # ---- simulated device -------------------------------------------------------------------------------------------
-    def _write_kv(self, s, start, end):
+    def _write_kv(self, sid, start, end):
+        s = self.seqs[sid]
         for pos in range(start, end):
-            block = self.m.block_table(self._id(s))[pos // BS]
-            self.kv[block] = tuple(s.tokens[:pos + 1])
-
-    def _id(self, s):
-        return next(k for k, v in self.seqs.items() if v is s)
+            self.kv[self.m.block_table(sid)[pos // BS]] = tuple(s.tokens[:pos + 1])
 
     # ---- rules ------------------------------------------------------------------------------------------------------
-    @rule(base=st.integers(0, 1000), cut=st.one_of(st.just(99), st.integers(0, 12)), ext=st.lists(st.integers(0, 2), max_size=7))
+    @rule(base=st.integers(0, 1000), cut=st.one_of(st.just(99), st.integers(0, 12)),
+          ext=st.lists(st.integers(0, 2), max_size=7))
     def admit(self, base, cut, ext):
         stems = self.history + [tuple(s.tokens) for s in self.seqs.values()]
         stem = stems[base % len(stems)]
@@ -83,7 +81,7 @@ class CacheMachine(RuleBasedStateMachine):
             if plan and plan[0] < end:
                 end = plan[0]
             row = self.m.reserve_capture(sid, end) if capture and end in plan else None
-            self._write_kv(s, s.computed, end)
+            self._write_kv(sid, s.computed, end)
             s.computed = end
             if row is not None:
                 self.state[row] = tuple(s.tokens[:end])
@@ -96,7 +94,7 @@ class CacheMachine(RuleBasedStateMachine):
         row = None
         if (s.computed + 1) % BS == 0 and capture:
             row = self.m.decode_capture_row(sid, s.computed + 1)
-        self._write_kv(s, s.computed, s.computed + 1)
+        self._write_kv(sid, s.computed, s.computed + 1)
         s.computed += 1
         if row is not None:
             self.state[row] = tuple(s.tokens[:s.computed])
