@@ -23,11 +23,14 @@ class CacheConfig:
     num_snapshot_slots: int      # snapshot rows are num_live_slots+1 .. num_live_slots+num_snapshot_slots
     enable_prefix_caching: bool = True
     hybrid: bool = True          # False: plain transformer, reuse = KV match, no snapshots needed
+    checkpoint_interval: int = 8192  # long prompts also capture at every multiple of this (floored to blocks; 0: off)
 
     def __post_init__(self):
         if self.block_size <= 0 or self.num_blocks < 2 or self.num_live_slots < 1 or self.num_snapshot_slots < 0:
             raise ValueError(f"{self}: need block_size > 0, num_blocks >= 2 (block 0 is the dummy), "
                              "num_live_slots >= 1, num_snapshot_slots >= 0")
+        if self.checkpoint_interval < 0:
+            raise ValueError(f"checkpoint_interval={self.checkpoint_interval} must be >= 0 (0 turns it off)")
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,8 @@ class _Sequence:
     publish_cursor: int = 0                  # blocks [0, cursor) are published (own or pinned under own children)
     branch_position: int = 0                 # where the KV match outran the state match (0: it did not)
     restored_hash: bytes | None = None
+    kv_matched_tokens: int = 0
+    ran: bool = False                        # a step committed for it (else free() takes back its admission counts)
     prompt_end_hashes: list[bytes] = field(default_factory=list)  # prompt-end snapshots this sequence registered
 
 
@@ -128,19 +133,14 @@ class CacheManager:
             seq.restored_hash = hashes[depth - 1]
             if seq.restored_hash in self.snapshots:
                 self._on_restore(seq.restored_hash)
-            self.stats.snapshots_restored += 1
         if len(matched) > depth:
             seq.branch_position = len(matched) * bs
         if self.uses_snapshots:
             seq.capture_plan = [p for p in self._plan_captures(n, len(matched), depth)
                                 if depth * bs < p <= n and not self._has_snapshot(hashes[p // bs - 1])]
+        seq.kv_matched_tokens = len(matched) * bs
         self._seqs[seq_id] = seq
-        s = self.stats
-        s.admissions += 1
-        s.prompt_tokens += n
-        s.reused_tokens += depth * bs
-        s.kv_matched_tokens += len(matched) * bs
-        s.lost_to_missing_state_tokens += (len(matched) - depth) * bs
+        self._count_admission(seq, +1)
         self._track_peaks()
         return Admission(depth * bs, seq.block_table, seq.state_row, restore_row, len(matched) * bs)
 
@@ -188,6 +188,7 @@ class CacheManager:
     # ---- after a step ---------------------------------------------------------------------------------------------
     def commit(self, seq_id, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         seq = self._seq(seq_id)
+        seq.ran = True
         self._publish(seq, token_ids, num_computed_tokens)
         for position in sorted(p for p in seq.pending_captures if p <= num_computed_tokens):
             self._register(seq, position, seq.pending_captures.pop(position))
@@ -196,9 +197,12 @@ class CacheManager:
     def free(self, seq_id, token_ids: Sequence[int], num_computed_tokens: int, finished: bool) -> None:
         """Release a sequence. Published blocks stay matchable; reserved captures whose step ran and the decode
         tracking snapshot (if its position was computed) are registered, the other reserved rows freed. A preempted
-        sequence's tracking snapshot is kept too: it is exact, and its re-admission will match it."""
+        sequence's tracking snapshot is kept too: it is exact, and its re-admission will match it. Freeing a sequence
+        no step ran for (admitted, then not scheduled) takes its admission out of the counters."""
         seq = self._seq(seq_id)
         del self._seqs[seq_id]
+        if not seq.ran:
+            self._count_admission(seq, -1)
         self._publish(seq, token_ids, num_computed_tokens)
         for position, row in sorted(seq.pending_captures.items()):
             if position <= num_computed_tokens:
@@ -231,9 +235,13 @@ class CacheManager:
     # ---- policy (subclasses in the benchmark model other engines by overriding these) -----------------------------
     def _plan_captures(self, prompt_len: int, kv_matched_blocks: int, restored_blocks: int) -> list[int]:
         """Last block boundary the same prompt can reuse (<= prompt_len - 1), the prompt end if it is a boundary
-        (a longer prompt extending this one), and the branch point where the KV match outran the state match."""
+        (a longer prompt extending this one), the branch point where the KV match outran the state match, and
+        sparse checkpoints along long prompts (requests that arrive before a branch point exists lose less)."""
         bs = self.config.block_size
+        interval = self.config.checkpoint_interval // bs * bs
         positions = {(prompt_len - 1) // bs * bs}
+        if interval:
+            positions.update(range(interval, prompt_len, interval))
         if prompt_len % bs == 0:
             positions.add(prompt_len)
         if kv_matched_blocks > restored_blocks:
@@ -316,6 +324,15 @@ class CacheManager:
             self.blocks.set_protected(block, block in self.registry.mamba_prefix_hashes_by_block)
 
     # ---- internals ------------------------------------------------------------------------------------------------
+    def _count_admission(self, seq: _Sequence, sign: int) -> None:
+        s = self.stats
+        s.admissions += sign
+        s.prompt_tokens += sign * seq.prompt_len
+        s.reused_tokens += sign * seq.num_cached_tokens
+        s.kv_matched_tokens += sign * seq.kv_matched_tokens
+        s.lost_to_missing_state_tokens += sign * (seq.kv_matched_tokens - seq.num_cached_tokens)
+        s.snapshots_restored += sign * (seq.restored_hash is not None)
+
     def _seq(self, seq_id) -> _Sequence:
         seq = self._seqs.get(seq_id)
         if seq is None:

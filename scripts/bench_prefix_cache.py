@@ -5,7 +5,7 @@ cache, snapshot registry and pool); model compute is replaced by token accountin
 deterministic. Memory is counted in "KV tokens": one token of full-attention KV costs 1, one state row (live or
 snapshot) costs --snapshot-kv-tokens (default 3000, the Qwen3-Next-80B ratio: 74 MiB of fp32 GDN state vs 24 KiB of
 KV per token). Each budget is the total shared by KV blocks, live state rows and snapshots; each policy splits it
-by its own rule. The reported reuse is prompt tokens served from cache (KV and state) over all prompt tokens.
+by its own rule.
 
 The engine loop being modelled: up to --in-flight requests run at once, admitted in trace order (head-of-line
 blocking when one does not fit); every step each running request either prefills one chunk (--chunk tokens, cut
@@ -30,13 +30,22 @@ Policies (simplifications in brackets):
   takes its state; a hit refreshes only the consumed state. Memory: --mamba-full-memory-ratio 0.9 gives the state
   pool 0.9/1.9 of the budget, of which 2 rows per running request (live + one track slot, no overlap) are not
   cache [block granularity = page = our block size; no HiCache; chunk ends at 8192 tokens also tracked].
-- qnext: the real CacheManager, unmodified; snapshot rows = --qnext-snapshot-fraction of the non-live memory.
+- qnext: the real CacheManager, unmodified: KV published after every step; snapshots at the last boundary before
+  the prompt's last token, at the prompt end when aligned, at the branch point, every 8192 prompt tokens, and at the
+  last decode boundary (one tracking row per sequence, registered at finish); KV leaves ending a snapshot evicted
+  last; snapshots in a segmented LRU (a hit promotes) with superseded prompt-end states demoted at finish. Snapshot
+  rows = --qnext-snapshot-fraction of the non-live memory.
 - oracle: unbounded memory, a snapshot at every block boundary of every prompt and decode, one request at a time
   (so every request sees all earlier ones): the most any block-granular policy can reuse on this request order.
 
-Reuse = (tokens a cold run computes - tokens computed) / prompt tokens, so prefill recomputed after a preemption
-counts against a policy. Policies that keep less memory for KV admit fewer requests at once; the replay models that
-(admission waits for memory) but reports reuse, not throughput.
+Reuse = (tokens a cold run computes - tokens computed) / prompt tokens: prompt tokens served from cache (KV and
+state), less anything recomputed after a preemption. "gap" = oracle - qnext; it includes the --in-flight requests
+that start together at the beginning, before any of them can publish. Policies that keep less memory for KV admit
+fewer requests at once, which can raise their reuse on a shared prefix; the replay models that (admission waits for
+memory) but reports reuse, not throughput.
+
+    python scripts/bench_prefix_cache.py --plot bench_out/prefix_cache.png --json-out bench_out/prefix_cache.json
+    python scripts/bench_prefix_cache.py --trace requests.jsonl --in-flight 16 --budgets 300000,1200000
 """
 import argparse
 import json

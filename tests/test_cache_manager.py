@@ -60,6 +60,16 @@ def test_prompt_end_snapshot_sits_at_the_last_boundary_before_the_last_token():
     assert m.capture_positions("b") == [8, 12]
 
 
+def test_long_prompts_get_sparse_checkpoints():
+    m = CacheManager(CacheConfig(block_size=BS, num_blocks=64, num_live_slots=2, num_snapshot_slots=8,
+                                 checkpoint_interval=18))  # floored to 16
+    m.admit("a", list(range(50)))
+    assert m.capture_positions("a") == [16, 32, 48]
+    run(m, "b", list(range(100, 150)))
+    adm = m.admit("c", list(range(100, 140)) + [7] * 10)   # diverges at 40, before any branch snapshot exists
+    assert adm.num_cached_tokens == 32 and adm.kv_matched_tokens == 40 and 40 in m.capture_positions("c")
+
+
 def test_multi_turn_continues_from_the_finished_sequence_state():
     m = make()
     _, history = run(m, "t1", list(range(10)), output=[50, 51, 52, 53, 54, 55, 56])
@@ -216,3 +226,14 @@ def test_kv_tail_ending_a_snapshot_outlives_a_newer_tail_without_one():
     m.free("b", b, 9, finished=True)
     m.evict_cached_blocks(2)                 # b's chain goes first although it is newer
     assert m.admit("c", list(range(9))).num_cached_tokens == 8
+
+
+def test_an_admission_released_before_any_step_is_not_counted():
+    m = make()
+    run(m, "a", list(range(9)))
+    before = m.stats.as_dict()
+    m.admit("b", list(range(9)))
+    m.free("b", list(range(9)), 8, finished=False)  # the scheduler could not fit it after all
+    assert m.stats.as_dict() == before
+    adm, _ = run(m, "c", list(range(9)))
+    assert m.stats.prompt_tokens == 18 and m.stats.reused_tokens == 8 and m.stats.snapshots_restored == 1

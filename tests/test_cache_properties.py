@@ -21,10 +21,10 @@ class _Seq:
 
 class CacheMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(4, 24), live=st.integers(1, 3), snaps=st.integers(0, 4),
-                hybrid=st.booleans())
-    def setup(self, num_blocks, live, snaps, hybrid):
+                hybrid=st.booleans(), interval=st.sampled_from([0, 4, 8192]))
+    def setup(self, num_blocks, live, snaps, hybrid, interval):
         self.cfg = CacheConfig(block_size=BS, num_blocks=num_blocks, num_live_slots=live,
-                               num_snapshot_slots=snaps, hybrid=hybrid)
+                               num_snapshot_slots=snaps, hybrid=hybrid, checkpoint_interval=interval)
         self.m = CacheManager(self.cfg)
         self.seqs: dict[int, _Seq] = {}
         self.history: list[tuple[int, ...]] = [()]
