@@ -9,10 +9,10 @@ workload triggers no compilation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from cache import CacheManager
@@ -24,6 +24,12 @@ from qnext.model.cache_buffers import CacheBuffers
 from qnext.model.forward import make_step
 from qnext.model.step_inputs import LayoutSizes, Segment, build_step_inputs, required_sizes
 from qnext.sampling_params import SamplingParams
+
+@functools.partial(jax.jit, static_argnames=("num_logprobs",))
+def _sample_rows(logits, index, tensors, num_logprobs):
+    """Sample from the logits rows `index` ([M] int32; the step returns one row per segment) in one dispatch."""
+    return sample(logits[index], tensors, num_logprobs=num_logprobs)
+
 
 _WARM_UP_SAMPLING = (SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9))
 
@@ -123,7 +129,7 @@ class ModelRunner:
             sampling_rows = [SamplingRow(it.seq.request_id, it.seq.params, it.seq.prompt_token_ids,
                                          it.seq.output_token_ids, it.seq.request_index) for _, it in sampling]
             tensors, num_logprobs = self.sampler_inputs.build(sampling_rows, num_rows)
-            result = jax.device_get(sample(logits[jnp.asarray(index)], tensors, num_logprobs=num_logprobs))
+            result = jax.device_get(_sample_rows(logits, index, tensors, num_logprobs=num_logprobs))
             for j, (_, it) in enumerate(sampling):
                 out[it.seq.request_id] = SampledToken(
                     int(result.token_ids[j]), float(result.logprobs[j]), int(result.ranks[j]),
@@ -148,7 +154,7 @@ class ModelRunner:
             logits, self.buffers = self._step(self.params, self.buffers, inputs)
             for params in _WARM_UP_SAMPLING:     # the sampler variants most requests use
                 tensors, k = self.sampler_inputs.build([SamplingRow("warm-up", params, [0], [], 0)], s.num_logits)
-                jax.block_until_ready(sample(logits[jnp.zeros(s.num_logits, jnp.int32)], tensors, num_logprobs=k))
+                jax.block_until_ready(_sample_rows(logits, np.zeros(s.num_logits, np.int32), tensors, num_logprobs=k))
                 self.sampler_inputs.free("warm-up")
             if on_bucket is not None:
                 on_bucket()

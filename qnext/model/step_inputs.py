@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
@@ -132,8 +133,8 @@ class _Groups:
         self.capture_row[i] = seg.captures.get(hi, 0)
         return i
 
-    def to_device(self) -> RowGroups:
-        return RowGroups(**{f.name: jnp.asarray(getattr(self, f.name)) for f in dataclasses.fields(RowGroups)})
+    def arrays(self) -> RowGroups:
+        return RowGroups(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RowGroups)})
 
 
 def build_step_inputs(segments: Sequence[Segment], sizes: LayoutSizes, *, block_size: int,
@@ -175,7 +176,7 @@ def build_step_inputs(segments: Sequence[Segment], sizes: LayoutSizes, *, block_
         n_logits += len(wanted)
         flat += n
 
-    return StepInputs(
-        token_ids=jnp.asarray(token_ids), positions=jnp.asarray(positions), slot_mapping=jnp.asarray(slot_mapping),
-        decode=decode.to_device(), prefill=prefill.to_device(), token_source=jnp.asarray(token_source),
-        logits_index=jnp.asarray(logits_index))
+    # One transfer for the whole pytree (cheaper than one per array).
+    return jax.device_put(StepInputs(
+        token_ids=token_ids, positions=positions, slot_mapping=slot_mapping, decode=decode.arrays(),
+        prefill=prefill.arrays(), token_source=token_source, logits_index=logits_index))
