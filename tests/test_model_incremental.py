@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import qnext  # noqa: E402
-from qnext.model.cache_buffers import allocate_cache_buffers  # noqa: E402
+from qnext.model.cache_buffers import model_cache_buffers  # noqa: E402
 from qnext.model.step_inputs import LayoutSizes, Segment, build_step_inputs  # noqa: E402
 from tests.hf_reference import build_hf_model, save_hf_model  # noqa: E402
 
@@ -27,7 +27,7 @@ def test_prefill_decode_capture_restore_and_mixed_steps(model):
     cfg = model.config
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, 40).tolist()
     full = model.logits(ids)
-    buffers = allocate_cache_buffers(cfg, num_blocks=8, block_size=BS, num_state_rows=5, dtype=model.dtype)
+    buffers = model_cache_buffers(cfg, num_blocks=8, block_size=BS, num_state_rows=5, dtype=model.dtype)
 
     def run(segments, buffers):
         inputs = build_step_inputs(segments, SIZES, block_size=BS, chunk=CHUNK)

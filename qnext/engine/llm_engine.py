@@ -16,7 +16,8 @@ from qnext.engine.runner import ModelRunner, SampledToken
 from qnext.engine.sampler import check_stop
 from qnext.engine.scheduler import Scheduler
 from qnext.engine.sequence import Sequence, SequenceStatus
-from qnext.model.cache_buffers import allocate_cache_buffers, state_bytes_per_row
+from cache.device_buffers import allocate_cache_buffers, num_state_rows
+from qnext.model.cache_buffers import cache_layout
 from qnext.model.loader import load_params
 from qnext.model.weights import as_dtype
 from qnext.outputs import CompletionOutput, RequestMetrics, RequestOutput, logprobs_entry
@@ -62,18 +63,19 @@ class LLMEngine:
             raise ValueError(f"num_gpu_blocks_override={num_blocks} blocks of {c.block_size} tokens cannot hold one "
                              f"sequence of max_model_len {self.max_model_len}")
         hybrid = bool(cfg.linear_layer_ids)
+        layout = cache_layout(cfg, dtype)
         # Snapshot rows; an explicit max_num_snapshots is honoured even with caching off, so that engines that
         # differ only in enable_prefix_caching share buffer shapes (and compilations).
         default = 4 * c.max_num_seqs if c.enable_prefix_caching else 0
         requested = (c.max_num_snapshots if c.max_num_snapshots is not None else default) if hybrid else 0
         num_snapshots = requested
         if c.snapshot_memory_bytes is not None and requested:
-            num_snapshots = snapshot_pool_capacity(requested, state_bytes_per_row(cfg, dtype), c.snapshot_memory_bytes)
+            num_snapshots = snapshot_pool_capacity(requested, layout.state_bytes_per_row, c.snapshot_memory_bytes)
         self.cache = CacheManager(CacheConfig(block_size=c.block_size, num_blocks=num_blocks + 1,
                                               num_live_slots=c.max_num_seqs, num_snapshot_slots=num_snapshots,
                                               enable_prefix_caching=c.enable_prefix_caching, hybrid=hybrid))
-        buffers = allocate_cache_buffers(cfg, num_blocks=num_blocks + 1, block_size=c.block_size,
-                                         num_state_rows=1 + c.max_num_seqs + num_snapshots, dtype=dtype)
+        buffers = allocate_cache_buffers(layout, num_blocks=num_blocks + 1, block_size=c.block_size,
+                                         num_state_rows=num_state_rows(c.max_num_seqs, num_snapshots))
         self.runner = ModelRunner(cfg, params, buffers, c, self.max_model_len, self.cache)
         self.scheduler = Scheduler(c, self.cache, self.runner.fits)
         self.requests: dict[str, Sequence] = {}

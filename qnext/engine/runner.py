@@ -20,7 +20,7 @@ from qnext.config import ModelConfig
 from qnext.engine.config import EngineConfig
 from qnext.engine.sampler import SamplerInputBuilder, SamplingRow, sample
 from qnext.engine.scheduler import ScheduledSequence
-from qnext.model.cache_buffers import CacheBuffers
+from cache.device_buffers import CacheBuffers
 from qnext.model.forward import make_step
 from qnext.model.step_inputs import LayoutSizes, Segment, build_step_inputs, required_sizes
 from qnext.sampling_params import SamplingParams

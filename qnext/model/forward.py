@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from qnext.config import ModelConfig
 from qnext.model.attention import full_attention
-from qnext.model.cache_buffers import CacheBuffers
+from cache.device_buffers import CacheBuffers
 from qnext.model.deltanet import gated_deltanet
 from qnext.model.mlp import feed_forward
 from qnext.model.norms import rms_norm

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qnext.config import ModelConfig
-from qnext.model.cache_buffers import allocate_cache_buffers
+from qnext.model.cache_buffers import model_cache_buffers
 from qnext.model.forward import make_step
 from qnext.model.loader import load_params
 from qnext.model.step_inputs import LayoutSizes, Segment, build_step_inputs
@@ -46,7 +46,7 @@ class Model:
         n = len(ids)
         num_tokens = _bucket(n)
         blocks = -(-num_tokens // SCORING_BLOCK_SIZE)
-        buffers = allocate_cache_buffers(self.config, num_blocks=blocks + 1, block_size=SCORING_BLOCK_SIZE,
+        buffers = model_cache_buffers(self.config, num_blocks=blocks + 1, block_size=SCORING_BLOCK_SIZE,
                                          num_state_rows=2, dtype=self.dtype)
         seg = Segment(token_ids=ids.tolist(), start=0, block_table=list(range(1, blocks + 1)), read_row=-1,
                       write_row=1, all_logits=True)
