@@ -48,15 +48,33 @@ def _write_rows(pool, states, write_row, is_last, capture_row):
     return pool.at[capture_row].set(states)
 
 
-def _unit_lower_inverse(lower):
-    """(I + lower)^-1 for strictly lower-triangular [..., C, C] by forward substitution: row i = e_i - L[i] T.
-    Same values as solve_triangular(I + lower, I), about 5x faster on CPU for batches of 64x64 blocks."""
+def _mm(a, b):
+    return jnp.matmul(a, b, precision=_HIGHEST)
+
+
+def _forward_substitute(lower):
+    """(I + lower)^-1 for strictly lower-triangular [..., c, c], row by row: row i = e_i - L[i] T."""
     eye = jnp.eye(lower.shape[-1], dtype=lower.dtype)
 
     def row(i, t):
         return t.at[..., i, :].set(eye[i] - jnp.einsum("...j,...jk->...k", lower[..., i, :], t, precision=_HIGHEST))
 
     return jax.lax.fori_loop(1, lower.shape[-1], row, jnp.broadcast_to(eye, lower.shape))
+
+
+def _unit_lower_inverse(lower, base=16):
+    """(I + lower)^-1 for strictly lower-triangular [..., C, C]: diagonal blocks of `base` rows by forward
+    substitution (all blocks at once), then merged pairwise with [[A, 0], [B, D]]^-1 = [[A^-1, 0],
+    [-D^-1 B A^-1, D^-1]]. About 5x faster on CPU than row-by-row substitution over C = 64."""
+    c = lower.shape[-1]
+    if c <= base or c % 2:
+        return _forward_substitute(lower)
+    h = c // 2
+    halves = _unit_lower_inverse(jnp.stack([lower[..., :h, :h], lower[..., h:, h:]]), base)
+    a_inv, d_inv = halves[0], halves[1]
+    below = -_mm(_mm(d_inv, lower[..., h:, :h]), a_inv)
+    top = jnp.concatenate([a_inv, jnp.zeros_like(a_inv)], axis=-1)
+    return jnp.concatenate([top, jnp.concatenate([below, d_inv], axis=-1)], axis=-2)
 
 
 def chunk_gated_delta_rule_reference(q, k, v, g, beta, length, state, read_row, write_row, capture_row,
@@ -67,7 +85,7 @@ def chunk_gated_delta_rule_reference(q, k, v, g, beta, length, state, read_row, 
     state: [R, Hv, dk, dv] float32; read_row, write_row, capture_row: [N] int32; is_first, is_last: [N] bool
     Returns (o [N, C, Hv, dv] float32, new state pool).
     """
-    n, c, _, _ = q.shape
+    n, c, _, dk = q.shape
     hv = v.shape[2]
     valid = jnp.arange(c)[None, :] < length[:, None]                       # [N, C]
     f32 = jnp.float32
@@ -82,35 +100,34 @@ def chunk_gated_delta_rule_reference(q, k, v, g, beta, length, state, read_row, 
     g, beta = jnp.swapaxes(g, 1, 2), jnp.swapaxes(beta, 1, 2)
     big_g = jnp.cumsum(g, axis=-1)                                          # [N, Hv, C]
     causal = jnp.tril(jnp.ones((c, c), bool))
-    diff = big_g[..., :, None] - big_g[..., None, :]
-    gamma = jnp.exp(jnp.where(causal, diff, -jnp.inf))                      # [N, Hv, C, C], incl. diagonal
+    gamma = jnp.exp(jnp.where(causal, big_g[..., :, None] - big_g[..., None, :], -jnp.inf))  # incl. diagonal
+    k_t = jnp.swapaxes(k, -1, -2)
 
-    kk = jnp.einsum("nhid,nhjd->nhij", k, k, precision=_HIGHEST)
     strict = jnp.tril(jnp.ones((c, c), bool), -1)
-    lower = jnp.where(strict, beta[..., :, None] * kk * gamma, 0.0)
+    lower = jnp.where(strict, beta[..., :, None] * _mm(k, k_t) * gamma, 0.0)
     t_mat = _unit_lower_inverse(lower)
-    u = jnp.einsum("nhij,nhjd->nhid", t_mat, beta[..., None] * v, precision=_HIGHEST)
-    w = jnp.einsum("nhij,nhjd->nhid", t_mat, (beta * jnp.exp(big_g))[..., None] * k, precision=_HIGHEST)
-
-    qk = jnp.einsum("nhid,nhjd->nhij", q, k, precision=_HIGHEST) * gamma
-    a_mat = jnp.exp(big_g)[..., None] * q - jnp.einsum("nhij,nhjd->nhid", qk, w, precision=_HIGHEST)
-    o_intra = jnp.einsum("nhij,nhjd->nhid", qk, u, precision=_HIGHEST)
+    # W | U = T [diag(beta e^G) K | diag(beta) V], in one matmul.
+    wu = _mm(t_mat, jnp.concatenate([(beta * jnp.exp(big_g))[..., None] * k, beta[..., None] * v], axis=-1))
+    qk = _mm(q, k_t) * gamma
+    qwu = _mm(qk, wu)
+    a_mat = jnp.exp(big_g)[..., None] * q - qwu[..., :dk]
+    o_intra = qwu[..., dk:]
     g_last = big_g[..., -1]                                                 # padded rows have g = 0
     kd = jnp.exp(g_last[..., None] - big_g)[..., None] * k
-    m_mat = (jnp.exp(g_last)[..., None, None] * jnp.eye(k.shape[-1], dtype=f32)
-             - jnp.einsum("nhik,nhil->nhkl", kd, w, precision=_HIGHEST))
-    b_mat = jnp.einsum("nhik,nhiv->nhkv", kd, u, precision=_HIGHEST)
+    kdwu = _mm(jnp.swapaxes(kd, -1, -2), wu)
+    m_mat = jnp.exp(g_last)[..., None, None] * jnp.eye(dk, dtype=f32) - kdwu[..., :dk]
+    b_mat = kdwu[..., dk:]
 
     init = _gather_rows(state, read_row)
 
     def step(prev, xs):
         first, init_c, m_c, b_c = xs
         s_in = jnp.where(first, init_c, prev)
-        s_out = jnp.einsum("hkl,hlv->hkv", m_c, s_in, precision=_HIGHEST) + b_c
+        s_out = _mm(m_c, s_in) + b_c
         return s_out, (s_in, s_out)
 
-    _, (s_in, s_out) = jax.lax.scan(step, jnp.zeros_like(init[0]), (is_first, init, m_mat, b_mat))
-    o = jnp.einsum("nhik,nhkv->nhiv", a_mat, s_in, precision=_HIGHEST) + o_intra
+    _, (s_in, s_out) = jax.lax.scan(step, jnp.zeros_like(init[0]), (is_first, init, m_mat, b_mat), unroll=4)
+    o = _mm(a_mat, s_in) + o_intra
     o = jnp.where(valid[:, None, :, None], o, 0.0)
     return jnp.swapaxes(o, 1, 2), _write_rows(state, s_out, write_row, is_last, capture_row)
 
