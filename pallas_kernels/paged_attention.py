@@ -26,7 +26,8 @@ def write_kv_reference(k_pages, v_pages, k, v, slot_mapping):
 
 
 def paged_attention_reference(q, k_pages, v_pages, block_table, kv_len, q_pos, *, sm_scale, span_blocks=32):
-    """Online-softmax scan over spans of `span_blocks` pages; memory O(N * span) instead of O(N * max_len).
+    """Online softmax over spans of `span_blocks` pages; memory O(N * span) instead of O(N * max_len), and the
+    loop stops after the longest kv_len in the batch, so the cost follows the real context, not max_model_len.
 
     q: [N, L, Hq, D]; block_table: [N, MB] int32; kv_len: [N]; q_pos: [N, L]. Returns [N, L, Hq, D] float32.
     """
@@ -40,10 +41,11 @@ def paged_attention_reference(q, k_pages, v_pages, block_table, kv_len, q_pos, *
     table = table.reshape(n, num_spans, span_blocks).transpose(1, 0, 2)              # [S, N, span]
     qg = (q.astype(jnp.float32) * sm_scale).reshape(n, length, hkv, group, d)
     span_tokens = span_blocks * bs
+    live_spans = jnp.minimum((jnp.max(kv_len) + span_tokens - 1) // span_tokens, num_spans)
 
-    def step(carry, xs):
+    def step(span_idx, carry):
         m, l, acc = carry
-        span_idx, blocks = xs
+        blocks = jax.lax.dynamic_index_in_dim(table, span_idx, 0, keepdims=False)      # [N, span]
         k = k_pages[blocks].reshape(n, span_tokens, hkv, d).astype(jnp.float32)
         v = v_pages[blocks].reshape(n, span_tokens, hkv, d).astype(jnp.float32)
         key_pos = span_idx * span_tokens + jnp.arange(span_tokens)
@@ -56,11 +58,11 @@ def paged_attention_reference(q, k_pages, v_pages, block_table, kv_len, q_pos, *
         corr = jnp.exp(jnp.where(jnp.isfinite(m), m - m_safe, -jnp.inf))
         l = l * corr + p.sum(-1)
         acc = acc * corr[..., None] + jnp.einsum("nlhgk,nkhd->nlhgd", p, v, precision=_HIGHEST)
-        return (m_new, l, acc), None
+        return m_new, l, acc
 
     init = (jnp.full((n, length, hkv, group), -jnp.inf, jnp.float32),
             jnp.zeros((n, length, hkv, group), jnp.float32),
             jnp.zeros((n, length, hkv, group, d), jnp.float32))
-    (m, l, acc), _ = jax.lax.scan(step, init, (jnp.arange(num_spans), table))
+    m, l, acc = jax.lax.fori_loop(0, live_spans, step, init)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     return out.reshape(n, length, hq, d)

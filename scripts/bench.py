@@ -5,16 +5,17 @@ Same checkpoint, dtype and prompts for both engines:
   time per output token (TPOT); transformers is driven batched, left-padded with an attention mask.
 - floor: the model's matmul FLOPs for the workload (projections, MLP / active experts, lm_head for sampled tokens,
   plus attention scores and delta-rule state terms) over the GEMM rate this machine reaches at the step's shapes
-  (the model's own weight matrices, M = decode batch or prefill rows), measured in the same run.
+  (the model's own weight matrices at M = the decode batch, and M = 512 prefill rows), measured in the same run.
 - chat: multi-turn chats (turn k's prompt = history + new message), one request at a time, TTFT per turn with
   prefix caching on and off, and the cache's reuse counters.
 - host: time per engine step outside the jitted step (scheduling, cache manager, input building, sampling).
 
-JAX compilation is excluded: every step shape is compiled before anything is timed, and the run checks that no
-step compiled while timed. Both engines get the same threads (--threads) and alternate in one process, so load
+JAX compilation is excluded: each timed qnext pass follows a warm-up pass of the same shapes (same prompt lengths,
+other tokens, so the prefix cache cannot hit), and the run checks that no step compiled while timed (if one did,
+the pass is rerun). Compilations persist in --out-dir/jax_cache, so a second run starts faster. Both engines get the same threads (--threads) and alternate in one process, so load
 from other processes affects both alike.
 
-    python scripts/bench.py                                  # tiny + small, float32, ~5 min on 2 CPU cores
+    python scripts/bench.py --json-out docs/bench/cpu-float32.json --plot docs/bench/cpu-float32.png
     python scripts/bench.py --models small --dtype bfloat16  # on a GPU: same script, Pallas kernels
 """
 from __future__ import annotations
@@ -65,7 +66,7 @@ def parse_args(argv=None):
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--first-message", type=int, default=256, help="tokens in turn 1's prompt")
     ap.add_argument("--message", type=int, default=64, help="tokens of each later user message")
-    ap.add_argument("--reply", type=int, default=8, help="tokens generated per turn")
+    ap.add_argument("--reply", type=int, default=4, help="tokens generated per turn")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (XLA uses the visible cores)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default=str(ROOT / "bench_out"), help="checkpoints and the compilation cache")
@@ -341,7 +342,7 @@ def random_prompts(rng, n: int, lens: tuple[int, int], vocab: int) -> list[list[
     return [rng.integers(3, vocab - 8, int(rng.integers(lens[0], lens[1] + 1))).tolist() for _ in range(n)]
 
 
-def engine_options(args, model_cfg, batches: list[int], budget: int, enable_prefix_caching: bool) -> dict:
+def engine_options(args, batches: list[int], budget: int, enable_prefix_caching: bool) -> dict:
     """One set of buffer shapes per model (offline and chat engines share every compilation)."""
     chat_len = args.first_message + (args.turns - 1) * (args.message + args.reply) + args.reply
     max_len = max(args.input_len[1] + args.output_len, chat_len) + 1
@@ -408,7 +409,7 @@ def run_chat(engines: dict, args, vocab: int, rng) -> dict:
 
 
 # ---- one model -----------------------------------------------------------------------------------------------------
-def bench_model(name: str, args, hf_module_ok: bool, log) -> dict:
+def bench_model(name: str, args, hf_ok: bool, log) -> dict:
     import jax
 
     import qnext
@@ -419,7 +420,7 @@ def bench_model(name: str, args, hf_module_ok: bool, log) -> dict:
     cfg = ModelConfig.from_pretrained(path)
     rng = np.random.default_rng(args.seed)
     batches, hf_batches = args.batches[name], args.hf_batches[name]
-    options = engine_options(args, cfg, batches, preset.max_num_batched_tokens, enable_prefix_caching=True)
+    options = engine_options(args, batches, preset.max_num_batched_tokens, enable_prefix_caching=True)
     result = {"model": name, "family": preset.family, "checkpoint": str(path),
               "parameters_per_token_matmul": sum(k * n for k, n in matmul_shapes(cfg)),
               "flops_per_token_matmul": sum(2 * k * n for k, n in matmul_shapes(cfg)),
@@ -431,7 +432,7 @@ def bench_model(name: str, args, hf_module_ok: bool, log) -> dict:
     engine = llm.engine
 
     hf = None
-    if hf_batches and hf_module_ok:
+    if hf_batches and hf_ok:
         log(f"[{name}] loading transformers")
         hf = load_hf(path, args.dtype, args.threads)
         run_hf(hf, [[5, 6, 7]], 2, cfg.pad_token_id or 0)
@@ -529,8 +530,8 @@ def targets(results: list[dict]) -> list[dict]:
 
 def print_report(report: dict) -> None:
     print()
-    print(f"qnext bench  dtype={report['dtype']}  {report['machine']}  (JAX compilation excluded: every step shape "
-          "compiled before timing)")
+    print(f"qnext bench  dtype={report['dtype']}  {report['machine']}  (JAX compilation excluded: warm-up passes of "
+          "the same shapes, no step compiled while timed)")
     for r in report["results"]:
         g = r["gemm"]
         rates = "  ".join(f"M={m}: fp32 {v['float32']['flops_per_s'] / 1e9:.0f} / bf16 "
@@ -599,6 +600,7 @@ def plot(report: dict, path: str) -> None:
                      label=f"{r['model']} cache off")
             ax2.plot(turns, [t["ttft_on_s"] * 1e3 for t in chat["turns"]], "o-", color=c,
                      label=f"{r['model']} cache on")
+            ax2.set_xticks(turns)
     ax1.set(xscale="log", yscale="log", xlabel="batch (prompts at once)", ylabel="output tokens/s",
             title=f"offline throughput ({report['dtype']})")
     ax2.set(yscale="log", xlabel="chat turn", ylabel="TTFT (ms)", title="multi-turn chat TTFT, prefix caching")
@@ -627,8 +629,8 @@ def main(argv=None) -> dict:
         log(f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads")
     machine = f"{jax.devices()[0].platform} {jax.devices()[0].device_kind}, {platform.processor() or platform.machine()}"
     results = [bench_model(name, args, hf_ok, log) for name in args.models]
-    report = {"dtype": args.dtype, "machine": machine, "jax": jax.__version__, "args": {
-        k: v for k, v in vars(args).items()}, "results": results, "targets": targets(results),
+    report = {"dtype": args.dtype, "machine": machine, "jax": jax.__version__, "args": vars(args),
+              "results": results, "targets": targets(results),
         "seconds": time.perf_counter() - t0}
     print_report(report)
     if args.json_out:
