@@ -14,14 +14,14 @@ import jax.numpy as jnp
 
 def _initial_windows(conv_state, read_row):
     """[N, K-1, D] state entering each group's segment; row -1 means zeros."""
-    init = conv_state[jnp.maximum(read_row, 0)]
-    return jnp.where((read_row >= 0)[:, None, None], init, jnp.zeros_like(init))
+    return conv_state.at[jnp.where(read_row >= 0, read_row, conv_state.shape[0])].get(mode="fill", fill_value=0)
 
 
 def _write_rows(conv_state, tails, write_row, is_last, capture_row):
     tails = tails.astype(conv_state.dtype)
-    conv_state = conv_state.at[jnp.where(is_last, write_row, 0)].set(tails)
-    return conv_state.at[capture_row].set(tails)
+    nowhere = conv_state.shape[0]                 # out of bounds: dropped (no write to the dummy row)
+    conv_state = conv_state.at[jnp.where(is_last, write_row, nowhere)].set(tails, mode="drop")
+    return conv_state.at[jnp.where(capture_row > 0, capture_row, nowhere)].set(tails, mode="drop")
 
 
 def _conv_silu(ext, weight):

@@ -38,14 +38,16 @@ def _expand_heads(x, num_v_heads):
 
 def _gather_rows(pool, rows):
     """Initial states for `rows` ([N]); row -1 means a zero state."""
-    init = pool[jnp.maximum(rows, 0)]
-    return jnp.where((rows >= 0)[:, None, None, None], init, 0.0)
+    # Row -1 reads out of bounds and is filled with zeros: no separate select pass over the states.
+    return pool.at[jnp.where(rows >= 0, rows, pool.shape[0])].get(mode="fill", fill_value=0)
 
 
 def _write_rows(pool, states, write_row, is_last, capture_row):
     """End states go to the live row (last group of a segment) and to the capture row (0 = dummy)."""
-    pool = pool.at[jnp.where(is_last, write_row, 0)].set(states)
-    return pool.at[capture_row].set(states)
+    # Rows that write nowhere (not last, no capture) index out of bounds and are dropped, not written to row 0.
+    nowhere = pool.shape[0]
+    pool = pool.at[jnp.where(is_last, write_row, nowhere)].set(states, mode="drop")
+    return pool.at[jnp.where(capture_row > 0, capture_row, nowhere)].set(states, mode="drop")
 
 
 def _mm(a, b):

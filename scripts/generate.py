@@ -62,7 +62,7 @@ def build_llm(args):
         bar.update()
     if not args.no_warm_up:
         runner = llm.engine.runner
-        total = len(runner.decode_buckets) + len(runner.mixed_buckets)
+        total = len(runner.buckets)
         with tqdm(total=total, desc="compiling step shapes", unit="shape", leave=False) as bar:
             runner.warm_up(on_bucket=bar.update)
     return llm, model

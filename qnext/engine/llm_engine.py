@@ -77,7 +77,7 @@ class LLMEngine:
         buffers = allocate_cache_buffers(layout, num_blocks=num_blocks + 1, block_size=c.block_size,
                                          num_state_rows=num_state_rows(c.max_num_seqs, num_snapshots))
         self.runner = ModelRunner(cfg, params, buffers, c, self.max_model_len, self.cache)
-        self.scheduler = Scheduler(c, self.cache, self.runner.fits)
+        self.scheduler = Scheduler(c, self.cache, self.runner.new_layout)
         self.requests: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._request_counter = 0

@@ -22,7 +22,7 @@ from qnext.engine.sampler import SamplerInputBuilder, SamplingRow, sample
 from qnext.engine.scheduler import ScheduledSequence
 from cache.device_buffers import CacheBuffers
 from qnext.model.forward import make_step
-from qnext.model.step_inputs import LayoutSizes, Segment, build_step_inputs, required_sizes
+from qnext.model.step_inputs import LayoutSizes, Segment, build_step_inputs, group_bounds, required_sizes
 from qnext.sampling_params import SamplingParams
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))
@@ -69,40 +69,43 @@ class ModelRunner:
         self.max_blocks = -(-max_model_len // config.block_size)
         self._step = make_step(cfg)
         self.sampler_inputs = SamplerInputBuilder(cfg.vocab_size, cfg.eos_token_ids, seed=config.seed)
+        # Decode-only buckets start at 2 rows: with a single row XLA turns the row scatters into dynamic updates
+        # and copies every donated cache buffer (~10x slower per step).
         self.decode_buckets = [Bucket(LayoutSizes(d, d, 0, self.max_blocks, d), config.prefill_chunk)
-                               for d in _powers_of_two(1, config.max_num_seqs)]
-        self.mixed_buckets = []
+                               for d in _powers_of_two(2, max(2, config.max_num_seqs))]
+        self.prefill_buckets, self.mixed_buckets = [], []
         for t in _powers_of_two(16, config.max_num_batched_tokens):
             chunk = min(config.prefill_chunk, t)
-            rows = min(t, config.max_num_seqs)
-            sizes = LayoutSizes(t, rows, t // chunk + config.max_prefill_groups_extra, self.max_blocks, rows)
-            self.mixed_buckets.append(Bucket(sizes, chunk))
+            groups = t // chunk + min(max(2, t // 64), config.max_prefill_groups_extra)
+            logits = min(groups, config.max_num_seqs)
+            self.prefill_buckets.append(Bucket(LayoutSizes(t, 0, groups, self.max_blocks, logits), chunk))
+            rows = min(max(2, t // 2), config.max_num_seqs)
+            self.mixed_buckets.append(Bucket(LayoutSizes(t, rows, groups, self.max_blocks,
+                                                         min(rows + groups, config.max_num_seqs)), chunk))
         self.step_time = 0.0              # seconds inside the jitted step + sampler, for host-overhead stats
 
     # ---- shapes ----------------------------------------------------------------------------------------------
-    def _segments(self, items: list[ScheduledSequence], rows: dict | None = None) -> list[Segment]:
-        segments = []
-        for it in items:
-            seq = it.seq
-            captures = {p: (rows or {}).get((seq.request_id, p), 0) for p in it.capture_positions}
-            segments.append(Segment(token_ids=seq.token_ids[it.start:it.end], start=it.start,
-                                    block_table=self.cache.block_table(seq.request_id) if rows is not None
-                                    else [0] * (-(-it.end // self.config.block_size)),
-                                    read_row=seq.read_row, write_row=seq.state_row, captures=captures))
-        return segments
+    def _segments(self, items: list[ScheduledSequence], rows: dict) -> list[Segment]:
+        return [Segment(token_ids=it.seq.token_ids[it.start:it.end], start=it.start,
+                        block_table=self.cache.block_table(it.seq.request_id), read_row=it.seq.read_row,
+                        write_row=it.seq.state_row,
+                        captures={p: rows.get((it.seq.request_id, p), 0) for p in it.capture_positions})
+                for it in items]
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return self.decode_buckets + self.prefill_buckets + self.mixed_buckets
 
     def bucket_for(self, segments: list[Segment]) -> Bucket | None:
-        if all(len(s.token_ids) == 1 for s in segments):
-            for b in self.decode_buckets:
-                if b.sizes.fits(required_sizes(segments, b.chunk)):
-                    return b
-        for b in self.mixed_buckets:
+        """The cheapest compiled shape that holds the segments (families are ordered decode, prefill, mixed)."""
+        for b in self.buckets:
             if b.sizes.fits(required_sizes(segments, b.chunk)):
                 return b
         return None
 
-    def fits(self, items: list[ScheduledSequence]) -> bool:
-        return self.bucket_for(self._segments(items)) is not None
+    def new_layout(self) -> "StepLayout":
+        return StepLayout(self)
+
 
     # ---- execution -------------------------------------------------------------------------------------------
     def execute(self, items: list[ScheduledSequence]) -> dict[str, SampledToken]:
@@ -121,6 +124,8 @@ class ModelRunner:
         sampling = [(i, it) for i, it in enumerate(items) if it.samples]
         t0 = time.perf_counter()
         logits, self.buffers = self._step(self.params, self.buffers, inputs)
+        jax.block_until_ready(logits)            # device time = the jitted step alone (sampling is host-side work)
+        self.step_time += time.perf_counter() - t0
         out = {}
         if sampling:
             num_rows = bucket.sizes.num_logits
@@ -134,22 +139,20 @@ class ModelRunner:
                 out[it.seq.request_id] = SampledToken(
                     int(result.token_ids[j]), float(result.logprobs[j]), int(result.ranks[j]),
                     result.top_ids[j] if num_logprobs else None, result.top_logprobs[j] if num_logprobs else None)
-        else:
-            jax.block_until_ready(self.buffers)
-        self.step_time += time.perf_counter() - t0
         return out
 
     def free(self, request_id: str) -> None:
         self.sampler_inputs.free(request_id)
 
     def warm_up(self, on_bucket=None) -> int:
-        """Compiles the step for every bucket (and the greedy sampler per row count); `on_bucket()` is called
-        after each. Returns the bucket count."""
-        for bucket in self.decode_buckets + self.mixed_buckets:
+        """Compiles the step for every bucket (and the common sampler variants); `on_bucket()` is called after
+        each. Returns the bucket count."""
+        for bucket in self.buckets:
             s = bucket.sizes
-            segments = [Segment([0], 0, [0], -1, 0) for _ in range(s.num_decode)]
+            decode = min(s.num_decode, s.num_logits - (1 if s.num_chunks else 0), s.num_tokens - 2)
+            segments = [Segment([0], 0, [0], -1, 0) for _ in range(decode)]
             if s.num_chunks:
-                segments = segments[:max(0, s.num_decode - 1)] + [Segment([0] * 2, 0, [0], -1, 0)]
+                segments.append(Segment([0] * 2, 0, [0], -1, 0))
             inputs = build_step_inputs(segments, s, block_size=self.config.block_size, chunk=bucket.chunk)
             logits, self.buffers = self._step(self.params, self.buffers, inputs)
             for params in _WARM_UP_SAMPLING:     # the sampler variants most requests use
@@ -158,5 +161,30 @@ class ModelRunner:
                 self.sampler_inputs.free("warm-up")
             if on_bucket is not None:
                 on_bucket()
-        return len(self.decode_buckets) + len(self.mixed_buckets)
+        return len(self.buckets)
 
+
+class StepLayout:
+    """Running totals of the step being scheduled: `try_add` keeps an item only if the step still fits a compiled
+    shape. Totals are additive per item (max for the block-table width), so each check is O(buckets)."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.tokens = self.decode = self.segments = 0
+        self.groups = {b.chunk: 0 for b in runner.mixed_buckets}
+        self.all_decode = True
+
+    def try_add(self, item: ScheduledSequence) -> bool:
+        decode = item.num_tokens == 1
+        groups = {c: n + (0 if decode else len(group_bounds(item.start, item.end, item.capture_positions, c)))
+                  for c, n in self.groups.items()}
+        tokens, num_decode, segments = self.tokens + item.num_tokens, self.decode + decode, self.segments + 1
+        all_decode = self.all_decode and decode
+        fits = all_decode and any(b.sizes.num_decode >= num_decode for b in self.runner.decode_buckets)
+        fits = fits or any(b.sizes.num_tokens >= tokens and b.sizes.num_decode >= num_decode
+                           and b.sizes.num_chunks >= groups[b.chunk] and b.sizes.num_logits >= segments
+                           for b in self.runner.prefill_buckets + self.runner.mixed_buckets)
+        if fits:
+            self.tokens, self.decode, self.segments, self.all_decode = tokens, num_decode, segments, all_decode
+            self.groups = groups
+        return fits

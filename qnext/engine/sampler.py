@@ -30,7 +30,7 @@ _KEY_IMPL = "threefry2x32"
 class SamplingTensors(NamedTuple):
     temperature: jax.Array  # [N] f32; < GREEDY_TEMPERATURE = greedy
     min_p: jax.Array  # [N] f32; 0 = off
-    key_data: jax.Array  # [N, 2] uint32, threefry key of the request
+    key_data: jax.Array | None  # [N, 2] uint32, threefry key of the request; None: every row is greedy
     position: jax.Array  # [N] int32, output index of the token being drawn
     suppressed_ids: jax.Array  # [N, B] int32, ids masked to -inf (eos/stop ids before min_tokens); V pads
     top_k: jax.Array | None = None  # [N] int32 in [1, V] (V = off); None: no row filters
@@ -101,13 +101,19 @@ def sample(logits, tensors: SamplingTensors, num_logprobs: int = 0) -> SamplerOu
         x = apply_top_k_top_p(x, t.top_k, t.top_p)
     x = apply_min_p(x, t.min_p)
 
-    keys = jax.random.wrap_key_data(t.key_data, impl=_KEY_IMPL)
-    keys = jax.vmap(jax.random.fold_in)(keys, t.position)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)
-    sampled = jnp.argmax(x + gumbel, axis=-1)
-
-    tokens = jnp.where(is_greedy, greedy_tokens, sampled).astype(jnp.int32)
+    if t.key_data is None:                       # an all-greedy batch draws no noise
+        tokens = greedy_tokens.astype(jnp.int32)
+    else:
+        keys = jax.random.wrap_key_data(t.key_data, impl=_KEY_IMPL)
+        keys = jax.vmap(jax.random.fold_in)(keys, t.position)
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)
+        sampled = jnp.argmax(x + gumbel, axis=-1)
+        tokens = jnp.where(is_greedy, greedy_tokens, sampled).astype(jnp.int32)
     token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    if num_logprobs == 0:                        # ranks and top-k only when someone asked for logprobs
+        ranks = jnp.ones((n,), jnp.int32)
+        return SamplerOutput(tokens, token_logprobs, ranks, jnp.zeros((n, 0), jnp.float32),
+                             jnp.zeros((n, 0), jnp.int32))
     ranks = (raw_logprobs > token_logprobs[:, None]).sum(-1).astype(jnp.int32) + 1
     top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
     return SamplerOutput(tokens, token_logprobs, ranks, top_logprobs, top_ids.astype(jnp.int32))
@@ -193,7 +199,8 @@ class SamplerInputBuilder:
             key_data[i] = self._request_key_data(r)
             position[i] = len(r.output_token_ids)
             suppressed_ids[i, :len(ids)] = ids
-        tensors = SamplingTensors(temperature, min_p, key_data, position, suppressed_ids)
+        all_greedy = all(r.params.greedy for r in rows)
+        tensors = SamplingTensors(temperature, min_p, None if all_greedy else key_data, position, suppressed_ids)
 
         if any(r.params.uses_top_k_top_p for r in rows):
             top_k = np.full(n, v, np.int32)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from cache import CacheManager
 from qnext.engine.config import EngineConfig
@@ -38,11 +38,10 @@ class ScheduledSequence:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, cache: CacheManager,
-                 fits: Callable[[list[ScheduledSequence]], bool]):
+    def __init__(self, config: EngineConfig, cache: CacheManager, new_layout: Callable[[], Any]):
         self.config = config
         self.cache = cache
-        self.fits = fits                # the runner's check that a step's layout fits a compiled shape
+        self.new_layout = new_layout    # the runner's running check that a step fits a compiled shape
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -55,6 +54,7 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledSequence]:
         scheduled: list[ScheduledSequence] = []
+        layout = self.new_layout()
 
         def budget() -> int:
             return self.config.max_num_batched_tokens - sum(s.num_tokens for s in scheduled)
@@ -67,7 +67,7 @@ class Scheduler:
             item = self._plan(seq, budget())
             if not self._reserve_blocks(item, scheduled):
                 continue                                  # seq itself was preempted
-            if not self.fits(scheduled + [item]):
+            if not layout.try_add(item):
                 break
             scheduled.append(item)
 
@@ -78,7 +78,7 @@ class Scheduler:
                 break
             self._start(seq, admission)
             item = self._plan(seq, budget())
-            if not self.fits(scheduled + [item]):
+            if not layout.try_add(item):
                 self._release(seq)
                 seq.status = SequenceStatus.WAITING
                 break

@@ -53,7 +53,7 @@ class Model:
         sizes = LayoutSizes(num_tokens=num_tokens, num_decode=0, num_chunks=-(-num_tokens // SCORING_CHUNK) or 1,
                             max_blocks=blocks, num_logits=num_tokens)
         if n == 1:
-            sizes = dataclasses.replace(sizes, num_decode=1)
+            sizes = dataclasses.replace(sizes, num_decode=2)   # one decode row makes XLA copy the buffers
         inputs = build_step_inputs([seg], sizes, block_size=SCORING_BLOCK_SIZE, chunk=SCORING_CHUNK)
         logits, _ = self._step(self.params, buffers, inputs)
         return np.asarray(logits[:n])

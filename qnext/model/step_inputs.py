@@ -69,11 +69,10 @@ def _is_decode(seg: Segment) -> bool:
     return len(seg.token_ids) == 1
 
 
-def _group_bounds(seg: Segment, chunk: int) -> list[tuple[int, int]]:
+def group_bounds(start: int, end: int, captures, chunk: int) -> list[tuple[int, int]]:
     """Cut [start, end) into groups of <= chunk tokens, also cut at every capture position."""
-    end = seg.start + len(seg.token_ids)
-    cuts = sorted(p for p in seg.captures if seg.start < p < end)
-    bounds, lo = [], seg.start
+    cuts = sorted(p for p in captures if start < p < end)
+    bounds, lo = [], start
     for stop in cuts + [end]:
         while stop - lo > chunk:
             bounds.append((lo, lo + chunk))
@@ -82,6 +81,10 @@ def _group_bounds(seg: Segment, chunk: int) -> list[tuple[int, int]]:
             bounds.append((lo, stop))
             lo = stop
     return bounds
+
+
+def _group_bounds(seg: Segment, chunk: int) -> list[tuple[int, int]]:
+    return group_bounds(seg.start, seg.start + len(seg.token_ids), seg.captures, chunk)
 
 
 def _check_segment(seg: Segment, block_size: int) -> None:
