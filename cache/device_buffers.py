@@ -1,6 +1,6 @@
 """The device buffers the cache manager's bookkeeping refers to (the one module of `cache/` that imports jax).
 
-KV pages per full-attention layer, and state rows per linear-attention layer: row 0 is a dummy for padding,
+KV pages per full-attention layer, and state rows per linear-attention layer: row 0 is the zero state (never written),
 rows 1..num_live_slots hold live sequences, the rest are the prefix-snapshot pool (docs/CONTRACTS.md). Restoring
 and capturing a snapshot are reads and writes of rows inside the model step, so there are no copy kernels here.
 The buffers go into every step and come back out of it, donated.

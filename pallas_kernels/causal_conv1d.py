@@ -3,7 +3,7 @@
 Math, per channel c with kernel width K:  y_t[c] = silu( sum_{j<K} w[c, j] * x_{t-K+1+j}[c] ),
 where inputs before the segment start come from the conv state: the last K-1 inputs the sequence has seen
 (zeros for a fresh sequence). The conv state is stored time-major, [R, K-1, D], one row per live sequence or
-snapshot; row 0 is the dummy (see docs/CONTRACTS.md). After a group of n tokens the new state is the last K-1
+snapshot; row 0 is the zero state, never written (see docs/CONTRACTS.md). After a group of n tokens the new state is the last K-1
 entries of [halo | x_0..x_{n-1}], where halo is the state entering the group.
 """
 from __future__ import annotations
@@ -14,13 +14,13 @@ import jax.numpy as jnp
 
 def _initial_windows(conv_state, read_row):
     """[N, K-1, D] state entering each group's segment; row -1 means zeros."""
-    return conv_state.at[jnp.where(read_row >= 0, read_row, conv_state.shape[0])].get(mode="fill", fill_value=0)
+    return conv_state[jnp.maximum(read_row, 0)]                 # row 0 is the zero state: -1 reads it too
 
 
 def _write_rows(conv_state, tails, write_row, is_last, capture_row):
     tails = tails.astype(conv_state.dtype)
-    nowhere = conv_state.shape[0]                 # out of bounds: dropped (no write to the dummy row)
-    conv_state = conv_state.at[jnp.where(is_last, write_row, nowhere)].set(tails, mode="drop")
+    nowhere = conv_state.shape[0]                 # out of bounds: dropped; row 0 stays the zero state
+    conv_state = conv_state.at[jnp.where(is_last & (write_row > 0), write_row, nowhere)].set(tails, mode="drop")
     return conv_state.at[jnp.where(capture_row > 0, capture_row, nowhere)].set(tails, mode="drop")
 
 

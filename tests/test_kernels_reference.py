@@ -138,6 +138,7 @@ def gdr_inputs(rng, num_tokens, hk, hv, dk, dv, num_rows, dtype=np.float32):
     g = -rng.uniform(0.01, 0.4, size=(num_tokens, hv))
     beta = rng.uniform(0.05, 0.95, size=(num_tokens, hv))
     pool = 0.5 * rng.normal(size=(num_rows, hv, dk, dv))
+    pool[0] = 0.0                                    # row 0 is the zero state (docs/CONTRACTS.md)
     return (q.astype(dtype), k.astype(dtype), v.astype(dtype), g.astype(np.float32), beta.astype(np.float32),
             pool.astype(np.float32))
 
@@ -241,6 +242,7 @@ def test_causal_conv1d_chunked_reference_matches_direct_conv(seed, seg_lens, c):
     x = rng.normal(size=(layout.num_tokens, d)).astype(np.float32)
     weight = rng.normal(size=(d, width)).astype(np.float32)
     pool = rng.normal(size=(layout.num_rows, width - 1, d)).astype(np.float32)
+    pool[0] = 0.0                                    # row 0 is the zero state
     want_y, want_pool = conv_expected(layout, x, weight, pool)
     y, new_pool = jax.jit(conv.causal_conv1d_chunked_reference)(jnp.asarray(layout.to_groups(x, rng)),
                                                                 jnp.asarray(weight), jnp.asarray(pool),
@@ -256,6 +258,7 @@ def test_causal_conv1d_update_reference_matches_direct_conv():
     x = rng.normal(size=(6, d)).astype(np.float32)
     weight = rng.normal(size=(d, width)).astype(np.float32)
     pool = rng.normal(size=(layout.num_rows, width - 1, d)).astype(np.float32)
+    pool[0] = 0.0                                    # row 0 is the zero state
     want_y, want_pool = conv_expected(layout, x, weight, pool)
     y, new_pool = jax.jit(conv.causal_conv1d_update_reference)(jnp.asarray(layout.to_groups(x, rng)[:, 0]),
                                                                jnp.asarray(weight), jnp.asarray(pool),

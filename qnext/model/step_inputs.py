@@ -3,7 +3,7 @@
 The flat batch holds every scheduled sequence's new tokens. The model sees it twice (docs/CONTRACTS.md):
 a decode view (groups of one token) and a prefill view (groups of up to `chunk` tokens of one sequence, cut at
 every snapshot capture position so that a group's end state is exactly the state after its last token).
-Padding everywhere points at dummy block 0 / dummy state row 0 and is masked by group lengths.
+Padding points at dummy KV block 0 and the zero state row 0 (whose writes are dropped), masked by group lengths.
 """
 from __future__ import annotations
 
