@@ -79,9 +79,10 @@ class ModelRunner:
             groups = t // chunk + min(max(2, t // 64), config.max_prefill_groups_extra)
             logits = min(groups, config.max_num_seqs)
             self.prefill_buckets.append(Bucket(LayoutSizes(t, 0, groups, self.max_blocks, logits), chunk))
-            rows = min(max(2, t // 2), config.max_num_seqs)
-            self.mixed_buckets.append(Bucket(LayoutSizes(t, rows, groups, self.max_blocks,
-                                                         min(rows + groups, config.max_num_seqs)), chunk))
+            if config.max_num_seqs > 1:          # one sequence never mixes decode and prefill in a step
+                rows = min(max(2, t // 2), config.max_num_seqs)
+                self.mixed_buckets.append(Bucket(LayoutSizes(t, rows, groups, self.max_blocks,
+                                                             min(rows + groups, config.max_num_seqs)), chunk))
         self.step_time = 0.0              # seconds inside the jitted step + sampler, for host-overhead stats
 
     # ---- shapes ----------------------------------------------------------------------------------------------
@@ -171,7 +172,7 @@ class StepLayout:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.tokens = self.decode = self.segments = 0
-        self.groups = {b.chunk: 0 for b in runner.mixed_buckets}
+        self.groups = {b.chunk: 0 for b in runner.prefill_buckets}
         self.all_decode = True
 
     def try_add(self, item: ScheduledSequence) -> bool:
