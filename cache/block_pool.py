@@ -198,17 +198,9 @@ class BlockPool:
         return evicted
 
     def evict_until_free(self, min_free: int) -> list[int]:
-        """Evict LRU unreferenced leaves one at a time until at least min_free blocks are free (or none is left)."""
-        evicted = []
-        while len(self._free) < min_free:
-            block_id = self._evict_one()
-            if block_id is None:
-                break
-            evicted.append(block_id)
-            self._free.append(block_id)
-        if evicted:
-            self.on_evict(evicted)
-        return evicted
+        """Evict LRU unreferenced leaves until at least min_free blocks are free (or none is left): each eviction
+        frees exactly one block."""
+        return self.evict(max(0, min_free - len(self._free)))
 
     def clear_prefix_cache(self) -> list[int]:
         """Unpublish every cached block (referenced ones stay with their sequences as private blocks)."""
