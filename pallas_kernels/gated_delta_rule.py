@@ -13,14 +13,14 @@ Chunked form (chunk of C rows i, j; S the state entering the chunk; G the inclus
     U = T diag(beta) V,   W = T diag(beta exp(G)) K,   V' = U - W S
     O = diag(exp(G)) Q S + ((Q K^T) * Gamma) V'
     S_next = exp(G_last) S + (diag(exp(G_last - G)) K)^T V'
-We fold the S-dependence into two per-chunk matrices so that the only sequential work is a small matmul chain:
-    O = A S + O_intra,        A = diag(exp(G)) Q - ((Q K^T) * Gamma) W,   O_intra = ((Q K^T) * Gamma) U
-    S_next = M S + B,         M = exp(G_last) I - Kd^T W,                 B = Kd^T U,   Kd = diag(exp(G_last - G)) K
+The intra-chunk parts (T, W, U, Q K^T * Gamma) are computed for all chunks at once; only the S-dependent
+matmuls run in the sequential scan over chunks (the split of FLA's kernels: intra-chunk, then state passing).
 
 Rows layout (see docs/CONTRACTS.md): the state pool has R rows [R, Hv, dk, dv]; row 0 is the zero state that
-nothing writes (padding writes are dropped). Each group (one chunk of one sequence's segment) reads its initial state from `read_row` when it is
-the first group of its segment (-1 or 0 means a zero state), writes its end state to `write_row` when it is the last,
-and to `capture_row` (0 = none) always. Groups of one segment are consecutive and in order.
+nothing writes (padding writes are dropped). Each group (one chunk of one sequence's segment) reads its initial
+state from `read_row` when it is the first group of its segment (-1 or 0 means a zero state), writes its end state
+to `write_row` when it is the last, and to `capture_row` (0 = none) always. Groups of one segment are consecutive
+and in order.
 """
 from __future__ import annotations
 
@@ -112,26 +112,23 @@ def chunk_gated_delta_rule_reference(q, k, v, g, beta, length, state, read_row, 
     t_mat = _unit_lower_inverse(lower)
     # W | U = T [diag(beta e^G) K | diag(beta) V], in one matmul.
     wu = _mm(t_mat, jnp.concatenate([(beta * jnp.exp(big_g))[..., None] * k, beta[..., None] * v], axis=-1))
+    w, u = wu[..., :dk], wu[..., dk:]
     qk = _mm(q, k_t) * gamma
-    qwu = _mm(qk, wu)
-    a_mat = jnp.exp(big_g)[..., None] * q - qwu[..., :dk]
-    o_intra = qwu[..., dk:]
+    q_decayed = jnp.exp(big_g)[..., None] * q
     g_last = big_g[..., -1]                                                 # padded rows have g = 0
-    kd = jnp.exp(g_last[..., None] - big_g)[..., None] * k
-    kdwu = _mm(jnp.swapaxes(kd, -1, -2), wu)
-    m_mat = jnp.exp(g_last)[..., None, None] * jnp.eye(dk, dtype=f32) - kdwu[..., :dk]
-    b_mat = kdwu[..., dk:]
-
+    kd_t = jnp.swapaxes(jnp.exp(g_last[..., None] - big_g)[..., None] * k, -1, -2)   # [N, Hv, dk, C]
     init = _gather_rows(state, read_row)
 
     def step(prev, xs):
-        first, init_c, m_c, b_c = xs
+        first, init_c, w_c, u_c, qd_c, qk_c, kd_c, g_last_c = xs
         s_in = jnp.where(first, init_c, prev)
-        s_out = _mm(m_c, s_in) + b_c
-        return s_out, (s_in, s_out)
+        v_new = u_c - _mm(w_c, s_in)                                        # V' = U - W S
+        o = _mm(qd_c, s_in) + _mm(qk_c, v_new)                              # e^G Q S + (QK^T * Gamma) V'
+        s_out = jnp.exp(g_last_c)[:, None, None] * s_in + _mm(kd_c, v_new)  # e^G_last S + Kd^T V'
+        return s_out, (o, s_out)
 
-    _, (s_in, s_out) = jax.lax.scan(step, jnp.zeros_like(init[0]), (is_first, init, m_mat, b_mat), unroll=4)
-    o = _mm(a_mat, s_in) + o_intra
+    xs = (is_first, init, w, u, q_decayed, qk, kd_t, g_last)
+    _, (o, s_out) = jax.lax.scan(step, jnp.zeros_like(init[0]), xs, unroll=2)
     o = jnp.where(valid[:, None, :, None], o, 0.0)
     return jnp.swapaxes(o, 1, 2), _write_rows(state, s_out, write_row, is_last, capture_row)
 
