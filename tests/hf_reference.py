@@ -48,7 +48,8 @@ def save_hf_model(model, out_dir: Path) -> Path:
     return out_dir
 
 
-def hf_logits(model, token_ids) -> "np.ndarray":
+def hf_logits(model, token_ids):
+    """Logits [T, V] as a float32 numpy array."""
     import torch
 
     with torch.no_grad():

@@ -97,6 +97,7 @@ def test_multi_turn_chat_reuses_previous_turn(next_path):
     cold = qnext.LLM(next_path, enable_prefix_caching=False, **ENGINE)
     warm = qnext.LLM(next_path, **ENGINE)
     history = ids(rng, 21)
+    previous_computed = 0
     for turn in range(3):
         prompt = {"prompt_token_ids": history}
         expected = cold.generate(prompt, GREEDY_LOGPROBS)
