@@ -87,7 +87,7 @@ class ModelRunner:
 
     # ---- shapes ----------------------------------------------------------------------------------------------
     def _segments(self, items: list[ScheduledSequence], rows: dict) -> list[Segment]:
-        return [Segment(token_ids=it.seq.token_ids[it.start:it.end], start=it.start,
+        return [Segment(token_ids=it.seq.token_slice(it.start, it.end), start=it.start,
                         block_table=self.cache.block_table(it.seq.request_id), read_row=it.seq.read_row,
                         write_row=it.seq.state_row,
                         captures={p: rows.get((it.seq.request_id, p), 0) for p in it.capture_positions})
