@@ -109,16 +109,22 @@ def causal_conv1d_chunked(x, weight, conv_state, length, read_row, write_row, ca
     ints = tuple(a.astype(jnp.int32) for a in (length, read_row, write_row, capture_row, is_first, is_last))
     args = ints + (x, weight, conv_state)
     kernel = functools.partial(_chunked_kernel, block_d=block_d, width=weight.shape[1])
+    return _conv_call(kernel, args, (d // block_d,), "causal_conv1d_chunked", interpret)
+
+
+def _conv_call(kernel, args, grid, name, interpret):
+    """Both conv kernels: whole arrays as blocks, outputs (y like x, conv_state aliased with the last input)."""
+    x, conv_state = args[-3], args[-1]
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)),
-        grid=(d // block_d,),
+        grid=grid,
         in_specs=[_whole(a.shape) for a in args],
         out_specs=(_whole(x.shape), _whole(conv_state.shape)),
         input_output_aliases={len(args) - 1: 1},
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
-        name="causal_conv1d_chunked",
+        name=name,
     )(*args)
 
 
@@ -140,14 +146,4 @@ def causal_conv1d_update(x, weight, conv_state, read_row, write_row, capture_row
     ints = tuple(a.astype(jnp.int32) for a in (read_row, write_row, capture_row))
     args = ints + (x, weight, conv_state)
     kernel = functools.partial(_update_kernel, block_d=block_d, width=weight.shape[1])
-    return pl.pallas_call(
-        kernel,
-        out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)),
-        grid=(n, d // block_d),
-        in_specs=[_whole(a.shape) for a in args],
-        out_specs=(_whole(x.shape), _whole(conv_state.shape)),
-        input_output_aliases={len(args) - 1: 1},
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name="causal_conv1d_update",
-    )(*args)
+    return _conv_call(kernel, args, (n, d // block_d), "causal_conv1d_update", interpret)
