@@ -37,9 +37,8 @@ class LLM:
         single = isinstance(prompts, (str, dict))
         prompts = [prompts] if single else list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
-        for prompt, p in zip(prompts, params):       # validate everything before anything is queued
-            self.engine.validate(self.engine.tokenize(prompt)[1], p)
-        ids = [self._add(prompt, p) for prompt, p in zip(prompts, params)]
+        encoded = [self._encode(prompt, p) for prompt, p in zip(prompts, params)]   # all valid before queuing
+        ids = [self._add(prompt, p) for prompt, p in zip(encoded, params)]
         finished = self._run(ids)
         return [finished[i] for i in ids]
 
@@ -61,8 +60,8 @@ class LLM:
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
                ) -> Iterator[tuple[str, RequestOutput]]:
         """Yields (new text, output so far) after every generated token of one request."""
-        self.engine.validate(self.engine.tokenize(prompt)[1], sampling_params or SamplingParams())
-        request_id = self._add(prompt, sampling_params or SamplingParams())
+        params = sampling_params or SamplingParams()
+        request_id = self._add(self._encode(prompt, params), params)
         try:
             while True:
                 for out in self.engine.step():
@@ -75,6 +74,12 @@ class LLM:
             self.engine.release(request_id)
 
     # ---------------------------------------------------------------------------------------------------------
+    def _encode(self, prompt: Prompt, params: SamplingParams) -> dict:
+        """Tokenizes once and validates; the engine then takes the token ids as they are."""
+        text, token_ids = self.engine.tokenize(prompt)
+        self.engine.validate(token_ids, params)
+        return {"prompt": text, "prompt_token_ids": token_ids}
+
     def _add(self, prompt: Prompt, params: SamplingParams) -> str:
         request_id = str(next(self._ids))
         self.engine.add_request(request_id, prompt, params)

@@ -197,9 +197,9 @@ class LLMEngine:
         if detok is not None:
             detok.update([], finished=True)
 
-    def _output(self, seq: Sequence, delta: bool = False) -> RequestOutput:
+    def _output(self, seq: Sequence) -> RequestOutput:
         detok = self._detokenizers.get(seq.request_id)
-        text = detok.get_next_output_text(seq.is_finished, delta) if detok is not None else ""
+        text = detok.get_next_output_text(seq.is_finished, delta=False) if detok is not None else ""
         completion = CompletionOutput(index=0, text=text, token_ids=list(seq.output_token_ids),
                                       cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None
                                       else None, logprobs=seq.logprobs, finish_reason=seq.finish_reason,

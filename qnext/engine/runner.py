@@ -1,10 +1,10 @@
 """Model runner: lays a schedule out as StepInputs padded to a fixed set of shape buckets, runs the jitted step
 with the cache buffers donated, and samples on device.
 
-Buckets: decode-only steps use D rows for D in powers of two up to max_num_seqs; any step with a prefill uses a
-mixed bucket of T tokens (powers of two from 16 up to max_num_batched_tokens) with min(T, max_num_seqs) decode
-rows and T // C + extra prefill groups (C = min(prefill_chunk, T)). Warm-up compiles every bucket, after which a
-workload triggers no compilation.
+Buckets (docs/engine.md): decode-only steps use D rows for D in powers of two from 2 up to max_num_seqs; steps
+with a prefill use T tokens (powers of two from 16 up to max_num_batched_tokens) and T // C + extra prefill groups
+(C = min(prefill_chunk, T)), either prefill-only or mixed with decode rows. Warm-up compiles every bucket, after
+which a workload triggers no compilation.
 """
 from __future__ import annotations
 
@@ -16,14 +16,15 @@ import jax
 import numpy as np
 
 from cache import CacheManager
+from cache.device_buffers import CacheBuffers
 from qnext.config import ModelConfig
 from qnext.engine.config import EngineConfig
 from qnext.engine.sampler import SamplerInputBuilder, SamplingRow, sample
 from qnext.engine.scheduler import ScheduledSequence
-from cache.device_buffers import CacheBuffers
 from qnext.model.forward import make_step
 from qnext.model.step_inputs import LayoutSizes, Segment, build_step_inputs, group_bounds, required_sizes
 from qnext.sampling_params import SamplingParams
+
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))
 def _sample_rows(logits, index, tensors, num_logprobs):
@@ -83,7 +84,7 @@ class ModelRunner:
                 rows = min(max(2, t // 2), config.max_num_seqs)
                 self.mixed_buckets.append(Bucket(LayoutSizes(t, rows, groups, self.max_blocks,
                                                              min(rows + groups, config.max_num_seqs)), chunk))
-        self.step_time = 0.0              # seconds inside the jitted step + sampler, for host-overhead stats
+        self.step_time = 0.0              # seconds inside the jitted step alone, for host-overhead stats
 
     # ---- shapes ----------------------------------------------------------------------------------------------
     def _segments(self, items: list[ScheduledSequence], rows: dict) -> list[Segment]:
@@ -106,7 +107,6 @@ class ModelRunner:
 
     def new_layout(self) -> "StepLayout":
         return StepLayout(self)
-
 
     # ---- execution -------------------------------------------------------------------------------------------
     def execute(self, items: list[ScheduledSequence]) -> dict[str, SampledToken]:
@@ -167,7 +167,8 @@ class ModelRunner:
 
 class StepLayout:
     """Running totals of the step being scheduled: `try_add` keeps an item only if the step still fits a compiled
-    shape. Totals are additive per item (max for the block-table width), so each check is O(buckets)."""
+    shape. Totals are additive per item (every bucket's block table spans max_model_len), so each check is
+    O(buckets)."""
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
