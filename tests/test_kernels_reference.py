@@ -203,7 +203,10 @@ def test_chunked_gated_delta_rule_reference_matches_token_scan(seed, seg_lens, c
     np.testing.assert_allclose(np.asarray(new_pool)[1:], want_pool[1:], rtol=1e-4, atol=1e-4)
 
 
-def test_recurrent_gated_delta_rule_reference_matches_token_scan():
+@pytest.mark.parametrize("in_place", [False, True], ids=["batched", "row-by-row"])
+def test_recurrent_gated_delta_rule_reference_matches_token_scan(in_place, monkeypatch):
+    if in_place:                                      # the path real-size states take (test states are small)
+        monkeypatch.setattr(gdr, "_IN_PLACE_ROW_BYTES", 0)
     rng = np.random.default_rng(3)
     layout = decode_row_layout(rng, 5, num_pad=2)
     q, k, v, g, beta, pool = gdr_inputs(rng, 5, 2, 4, 16, 8, layout.num_rows)
