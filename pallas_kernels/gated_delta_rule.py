@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-_IN_PLACE_ROW_BYTES = 1 << 16      # state rows from this size run the decode recurrence row by row (see below)
+_IN_PLACE_ROW_BYTES = 1 << 16      # state rows from this size are read and written one at a time (see below)
 
 
 def _expand_heads(x, num_v_heads):
@@ -37,20 +37,48 @@ def _expand_heads(x, num_v_heads):
     return x if r == 1 else jnp.repeat(x, r, axis=-2)
 
 
+def _big_rows(pool) -> bool:
+    return pool[0].size * pool.dtype.itemsize >= _IN_PLACE_ROW_BYTES
+
+
 def _gather_rows(pool, rows):
     """Initial states for `rows` ([N]); row -1 (or 0) means a zero state."""
     # Row 0 is the zero state (nothing writes it), so -1 and 0 both read zeros with a plain gather (a gather with
-    # mode="fill" or a select after it costs ~5x more on CPU).
-    return pool[jnp.maximum(rows, 0)]
+    # mode="fill" or a select after it costs ~5x more on CPU). Big rows are read one at a time: XLA:CPU's row
+    # slices run near memory bandwidth, its gather of many MiB at ~1 GB/s.
+    rows = jnp.maximum(rows, 0)
+    if not _big_rows(pool):
+        return pool[rows]
+
+    def read(i, out):
+        return jax.lax.dynamic_update_index_in_dim(out, jax.lax.dynamic_index_in_dim(pool, rows[i], keepdims=False),
+                                                   i, 0)
+    return jax.lax.fori_loop(0, rows.shape[0], read, jnp.zeros(rows.shape + pool.shape[1:], pool.dtype))
 
 
 def _write_rows(pool, states, write_row, is_last, capture_row):
     """End states go to the live row (last group of a segment) and to the capture row (0 = dummy)."""
-    # Writes to row 0 (padding, no capture) and of groups that are not last go out of bounds and are dropped:
-    # row 0 stays the zero state.
+    # Writes to row 0 (padding, no capture) and of groups that are not last are dropped: row 0 stays the zero state.
+    live = jnp.where(is_last & (write_row > 0), write_row, 0)
+    if _big_rows(pool):
+        return _put_rows(_put_rows(pool, states, live), states, capture_row)
     nowhere = pool.shape[0]
-    pool = pool.at[jnp.where(is_last & (write_row > 0), write_row, nowhere)].set(states, mode="drop")
+    pool = pool.at[jnp.where(live > 0, live, nowhere)].set(states, mode="drop")
     return pool.at[jnp.where(capture_row > 0, capture_row, nowhere)].set(states, mode="drop")
+
+
+def _put_rows(pool, states, dst):
+    """pool[dst[i]] = states[i] for the i with dst[i] > 0, one row at a time over only those rows."""
+    order = jnp.argsort(dst <= 0, stable=True)            # rows to write first
+    count = jnp.sum(dst > 0)
+
+    def put(carry):
+        j, pool = carry
+        i = order[j]
+        row = jax.lax.dynamic_index_in_dim(states, i, keepdims=False).astype(pool.dtype)
+        return j + 1, jax.lax.dynamic_update_index_in_dim(pool, row, dst[i], 0)
+
+    return jax.lax.while_loop(lambda c: c[0] < count, put, (jnp.int32(0), pool))[1]
 
 
 def _mm(a, b):
@@ -150,7 +178,7 @@ def recurrent_gated_delta_rule_reference(q, k, v, g, beta, state, read_row, writ
     q, k = _expand_heads(q.astype(f32), hv), _expand_heads(k.astype(f32), hv)
     v, beta = v.astype(f32), beta.astype(f32)
     decay = jnp.exp(g.astype(f32))[..., None]                                # [N, Hv, 1]
-    if state[0].size * state.dtype.itemsize < _IN_PLACE_ROW_BYTES:
+    if not _big_rows(state):
         return _recurrent_batched(q, k, v, decay, beta, state, read_row, write_row, capture_row)
     live = write_row > 0
 
