@@ -146,10 +146,13 @@ def chunk_gated_delta_rule_reference(q, k, v, g, beta, length, state, read_row, 
     q_decayed = jnp.exp(big_g)[..., None] * q
     g_last = big_g[..., -1]                                                 # padded rows have g = 0
     kd_t = jnp.swapaxes(jnp.exp(g_last[..., None] - big_g)[..., None] * k, -1, -2)   # [N, Hv, dk, C]
-    init = _gather_rows(state, read_row)
+    # Big rows are read inside the scan, one per group, instead of gathered up front (see _gather_rows).
+    init = jnp.maximum(read_row, 0) if _big_rows(state) else _gather_rows(state, read_row)
 
     def step(prev, xs):
         first, init_c, w_c, u_c, qd_c, qk_c, kd_c, g_last_c = xs
+        if init_c.ndim == 0:                                                # a row index
+            init_c = jax.lax.dynamic_index_in_dim(state, init_c, keepdims=False).astype(f32)
         s_in = jnp.where(first, init_c, prev)
         v_new = u_c - _mm(w_c, s_in)                                        # V' = U - W S
         o = _mm(qd_c, s_in) + _mm(qk_c, v_new)                              # e^G Q S + (QK^T * Gamma) V'
@@ -157,7 +160,7 @@ def chunk_gated_delta_rule_reference(q, k, v, g, beta, length, state, read_row, 
         return s_out, (o, s_out)
 
     xs = (is_first, init, w, u, q_decayed, qk, kd_t, g_last)
-    _, (o, s_out) = jax.lax.scan(step, jnp.zeros_like(init[0]), xs, unroll=2)
+    _, (o, s_out) = jax.lax.scan(step, jnp.zeros((hv, dk, v.shape[-1]), f32), xs, unroll=2)
     o = jnp.where(valid[:, None, :, None], o, 0.0)
     return jnp.swapaxes(o, 1, 2), _write_rows(state, s_out, write_row, is_last, capture_row)
 
