@@ -196,7 +196,7 @@ def recurrent_gated_delta_rule_reference(q, k, v, g, beta, state, read_row, writ
         new = jnp.where(live[i], new, 0.0).astype(pool.dtype)
         return jax.lax.dynamic_update_index_in_dim(pool, new, jnp.maximum(write_row[i], 0), 0), o
 
-    state, o = jax.lax.fori_loop(0, q.shape[0], row, (state, jnp.zeros(v.shape, f32)))
+    state, o = jax.lax.fori_loop(0, q.shape[0], row, (state, jnp.zeros(v.shape, f32)), unroll=2)
     return o, copy_rows(state, write_row, capture_row)
 
 
