@@ -199,7 +199,7 @@ def recurrent_gated_delta_rule_reference(q, k, v, g, beta, state, read_row, writ
     # Not unrolled: unrolled, XLA:CPU fuses a row's update into its pool write, the next row's read then needs the
     # old pool, and it copies the whole pool (a 2-row step 45 -> 260 ms, measured).
     state, o = jax.lax.fori_loop(0, q.shape[0], row, (state, jnp.zeros(v.shape, f32)))
-    return o, copy_rows(state, write_row, capture_row)
+    return o, _copy_rows(state, write_row, capture_row)
 
 
 def _recurrent_batched(q, k, v, decay, beta, state, read_row, write_row, capture_row):
@@ -211,7 +211,7 @@ def _recurrent_batched(q, k, v, decay, beta, state, read_row, write_row, capture
     return o, _write_rows(state, s, write_row, jnp.ones_like(read_row, bool), capture_row)
 
 
-def copy_rows(pool, src, dst):
+def _copy_rows(pool, src, dst):
     """pool[dst[i]] = pool[src[i]] for every i with dst[i] > 0, one row at a time (a decode step has few captures:
     the loop runs only over them, where a masked scatter would move every row)."""
     order = jnp.argsort(dst <= 0, stable=True)            # capturing rows first
