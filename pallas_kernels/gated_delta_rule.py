@@ -42,18 +42,11 @@ def _big_rows(pool) -> bool:
 
 
 def _gather_rows(pool, rows):
-    """Initial states for `rows` ([N]); row -1 (or 0) means a zero state."""
+    """Initial states for `rows` ([N]); row -1 (or 0) means a zero state. Small rows only: big ones are read one at
+    a time where they are used (XLA:CPU's row slices run near memory bandwidth, its gather of many MiB at ~1 GB/s)."""
     # Row 0 is the zero state (nothing writes it), so -1 and 0 both read zeros with a plain gather (a gather with
-    # mode="fill" or a select after it costs ~5x more on CPU). Big rows are read one at a time: XLA:CPU's row
-    # slices run near memory bandwidth, its gather of many MiB at ~1 GB/s.
-    rows = jnp.maximum(rows, 0)
-    if not _big_rows(pool):
-        return pool[rows]
-
-    def read(i, out):
-        return jax.lax.dynamic_update_index_in_dim(out, jax.lax.dynamic_index_in_dim(pool, rows[i], keepdims=False),
-                                                   i, 0)
-    return jax.lax.fori_loop(0, rows.shape[0], read, jnp.zeros(rows.shape + pool.shape[1:], pool.dtype))
+    # mode="fill" or a select after it costs ~5x more on CPU).
+    return pool[jnp.maximum(rows, 0)]
 
 
 def _write_rows(pool, states, write_row, is_last, capture_row):
@@ -68,15 +61,26 @@ def _write_rows(pool, states, write_row, is_last, capture_row):
 
 
 def _put_rows(pool, states, dst):
-    """pool[dst[i]] = states[i] for the i with dst[i] > 0, one row at a time over only those rows."""
+    """pool[dst[i]] = states[i] for the i with dst[i] > 0."""
+    return _write_selected_rows(pool, dst, lambda pool, i: jax.lax.dynamic_index_in_dim(states, i, keepdims=False))
+
+
+def _copy_rows(pool, src, dst):
+    """pool[dst[i]] = pool[src[i]] for the i with dst[i] > 0 (sources read as they are when their turn comes)."""
+    return _write_selected_rows(pool, dst,
+                                lambda pool, i: jax.lax.dynamic_index_in_dim(pool, src[i], keepdims=False))
+
+
+def _write_selected_rows(pool, dst, row_of):
+    """pool[dst[i]] = row_of(pool, i) for the i with dst[i] > 0, one row at a time over only those rows (a step
+    writes few of its rows' states: a masked scatter would move every row)."""
     order = jnp.argsort(dst <= 0, stable=True)            # rows to write first
     count = jnp.sum(dst > 0)
 
     def put(carry):
         j, pool = carry
         i = order[j]
-        row = jax.lax.dynamic_index_in_dim(states, i, keepdims=False).astype(pool.dtype)
-        return j + 1, jax.lax.dynamic_update_index_in_dim(pool, row, dst[i], 0)
+        return j + 1, jax.lax.dynamic_update_index_in_dim(pool, row_of(pool, i).astype(pool.dtype), dst[i], 0)
 
     return jax.lax.while_loop(lambda c: c[0] < count, put, (jnp.int32(0), pool))[1]
 
@@ -147,11 +151,12 @@ def chunk_gated_delta_rule_reference(q, k, v, g, beta, length, state, read_row, 
     g_last = big_g[..., -1]                                                 # padded rows have g = 0
     kd_t = jnp.swapaxes(jnp.exp(g_last[..., None] - big_g)[..., None] * k, -1, -2)   # [N, Hv, dk, C]
     # Big rows are read inside the scan, one per group, instead of gathered up front (see _gather_rows).
-    init = jnp.maximum(read_row, 0) if _big_rows(state) else _gather_rows(state, read_row)
+    read_in_scan = _big_rows(state)
+    init = jnp.maximum(read_row, 0) if read_in_scan else _gather_rows(state, read_row)   # rows or states
 
     def step(prev, xs):
         first, init_c, w_c, u_c, qd_c, qk_c, kd_c, g_last_c = xs
-        if init_c.ndim == 0:                                                # a row index
+        if read_in_scan:
             init_c = jax.lax.dynamic_index_in_dim(state, init_c, keepdims=False).astype(f32)
         s_in = jnp.where(first, init_c, prev)
         v_new = u_c - _mm(w_c, s_in)                                        # V' = U - W S
@@ -209,21 +214,6 @@ def _recurrent_batched(q, k, v, decay, beta, state, read_row, write_row, capture
     o = decay * reads[..., 1, :] + jnp.sum(k * q, axis=-1, keepdims=True) * delta
     s = decay[..., None] * s + k[..., :, None] * delta[..., None, :]
     return o, _write_rows(state, s, write_row, jnp.ones_like(read_row, bool), capture_row)
-
-
-def _copy_rows(pool, src, dst):
-    """pool[dst[i]] = pool[src[i]] for every i with dst[i] > 0, one row at a time (a decode step has few captures:
-    the loop runs only over them, where a masked scatter would move every row)."""
-    order = jnp.argsort(dst <= 0, stable=True)            # capturing rows first
-    count = jnp.sum(dst > 0)
-
-    def copy(carry):
-        j, pool = carry
-        i = order[j]
-        row = jax.lax.dynamic_index_in_dim(pool, src[i], keepdims=True)
-        return j + 1, jax.lax.dynamic_update_slice_in_dim(pool, row, dst[i], axis=0)
-
-    return jax.lax.while_loop(lambda c: c[0] < count, copy, (jnp.int32(0), pool))[1]
 
 
 def gated_delta_rule_token_scan(q, k, v, g, beta, initial_state=None):
