@@ -55,29 +55,32 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSequence]:
         scheduled: list[ScheduledSequence] = []
         layout = self.new_layout()
-
-        def budget() -> int:
-            return self.config.max_num_batched_tokens - sum(s.num_tokens for s in scheduled)
+        budget = self.config.max_num_batched_tokens       # tokens left in this step
 
         for seq in list(self.running):
-            if budget() == 0:
+            if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue                                  # preempted earlier in this loop
-            item = self._plan(seq, budget())
-            if not self._reserve_blocks(item, scheduled):
+            item = self._plan(seq, budget)
+            preemptions = self.num_preemptions
+            reserved = self._reserve_blocks(item, scheduled)
+            if self.num_preemptions != preemptions:       # victims' items left `scheduled`
+                budget = self.config.max_num_batched_tokens - sum(s.num_tokens for s in scheduled)
+            if not reserved:
                 continue                                  # seq itself was preempted
             if not layout.try_add(item):
                 break
             scheduled.append(item)
+            budget -= item.num_tokens
 
-        while self.waiting and budget() > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             admission = self.cache.admit(seq.request_id, seq.token_ids)
             if admission is None:
                 break
             self._start(seq, admission)
-            item = self._plan(seq, budget())
+            item = self._plan(seq, budget)
             if not layout.try_add(item):
                 self._release(seq)
                 seq.status = SequenceStatus.WAITING
@@ -85,6 +88,7 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(seq)
             scheduled.append(item)
+            budget -= item.num_tokens
         return scheduled
 
     def finish(self, seq: Sequence) -> None:
