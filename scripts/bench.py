@@ -5,7 +5,8 @@ Same checkpoint, dtype and prompts for both engines:
   time per output token (TPOT); transformers is driven batched, left-padded with an attention mask.
 - floor: the model's matmul FLOPs for the workload (projections, MLP / active experts, lm_head for sampled tokens,
   plus attention scores and delta-rule state terms) over the GEMM rate this machine reaches at the step's shapes
-  (the model's own weight matrices at M = the decode batch, and M = 512 prefill rows), measured in the same run.
+  (the model's own weight matrices at M = the decode batch, and M = 512 prefill rows; the faster of the layouts
+  x @ W[K, N] and the engine's W[N, K]), measured in the same run.
 - chat: multi-turn chats (turn k's prompt = history + new message), one request at a time, TTFT per turn with
   prefix caching on and off, and the cache's reuse counters.
 - host: time per engine step outside the jitted step (scheduling, cache manager, input building, sampling).
@@ -138,30 +139,41 @@ def workload_flops(cfg, prompt_lens: list[int], output_len: int) -> dict[str, fl
 
 # ---- the machine's limit -------------------------------------------------------------------------------------------
 def gemm_rate(cfg, m: int, dtype: str, reps: int = 2) -> dict:
-    """Seconds and FLOP/s of x [m, K] @ W [K, N] over every weight matrix of the model (distinct weights, so weight
-    traffic is real), in `dtype` with float32 accumulation, jitted, median of `reps`."""
+    """Seconds and FLOP/s of x [m, K] times every weight matrix of the model (distinct weights, so weight traffic
+    is real), in `dtype` with float32 accumulation, jitted, median of `reps`, for both weight layouts: [K, N]
+    (x @ W) and [N, K] (the engine's, qnext.model.linear). The faster one is the machine's rate (`flops_per_s`)."""
     import jax
     import jax.numpy as jnp
+
+    from qnext.model.linear import linear
 
     dt = jnp.dtype(dtype)
     shapes = matmul_shapes(cfg)
     key = jax.random.PRNGKey(0)
-    ws = [jax.random.normal(jax.random.fold_in(key, i), s, jnp.float32).astype(dt) for i, s in enumerate(shapes)]
     xs = {k: jax.random.normal(key, (m, k), jnp.float32).astype(dt) for k in {k for k, _ in shapes}}
-
-    @jax.jit
-    def run(xs, ws):
-        return [jnp.dot(xs[w.shape[0]], w, preferred_element_type=jnp.float32) for w in ws]
-
-    jax.block_until_ready(run(xs, ws))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(xs, ws))
-        times.append(time.perf_counter() - t0)
+    layouts = {
+        "x@W[K,N]": ([(k, n) for k, n in shapes],
+                     lambda xs, ws: [jnp.dot(xs[w.shape[0]], w, preferred_element_type=jnp.float32) for w in ws]),
+        "linear W[N,K]": ([(n, k) for k, n in shapes],
+                          lambda xs, ws: [linear(xs[w.shape[1]], w, preferred_element_type=jnp.float32) for w in ws]),
+    }
     flops = sum(2 * m * k * n for k, n in shapes)
-    sec = statistics.median(times)
-    return {"m": m, "dtype": dtype, "seconds": sec, "flops": flops, "flops_per_s": flops / sec}
+    seconds = {}
+    for name, (weight_shapes, fn) in layouts.items():
+        ws = [jax.random.normal(jax.random.fold_in(key, i), s, jnp.float32).astype(dt)
+              for i, s in enumerate(weight_shapes)]
+        run = jax.jit(fn)
+        jax.block_until_ready(run(xs, ws))
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(xs, ws))
+            times.append(time.perf_counter() - t0)
+        seconds[name] = statistics.median(times)
+        del ws
+    sec = min(seconds.values())
+    return {"m": m, "dtype": dtype, "seconds": sec, "flops": flops, "flops_per_s": flops / sec,
+            "seconds_by_layout": seconds}
 
 
 # ---- qnext ---------------------------------------------------------------------------------------------------------

@@ -172,12 +172,12 @@ def test_param_specs_follow_the_contract():
     cfg = ModelConfig.from_hf_config(tiny_hf_config("qwen3_next", attention_bias=True))
     specs = param_specs(cfg, "bfloat16")
     lin, full = specs["layers"][0], specs["layers"][3]
-    assert specs["embed"].shape == (512, 64) and specs["lm_head"].shape == (64, 512)
-    assert lin["attn"]["in_proj"].shape == (64, 128 + 64 + 8)
+    assert specs["embed"].shape == (512, 64) and specs["lm_head"].shape == (512, 64)
+    assert lin["attn"]["in_proj"].shape == (128 + 64 + 8, 64)
     assert lin["attn"]["A_log"].dtype == np.float32 and lin["attn"]["in_proj"].dtype.name == "bfloat16"
-    assert full["attn"]["qkv_proj"].shape == (64, 2 * 4 * 32 + 2 * 2 * 32)
+    assert full["attn"]["qkv_proj"].shape == (2 * 4 * 32 + 2 * 2 * 32, 64)
     assert set(full["attn"]) == {"qkv_proj", "qkv_bias", "o_proj", "o_bias", "q_norm", "k_norm"}
-    assert specs["layers"][1]["mlp"]["gate_up"].shape == (64, 192)  # mlp_only_layers=[1]
+    assert specs["layers"][1]["mlp"]["gate_up"].shape == (192, 64)  # mlp_only_layers=[1]
     assert specs["layers"][0]["mlp"]["experts_gate_up"].axes == ("expert", "embed", "mlp")
     params = init_params(cfg, "float32", seed=0)
     assert params["layers"][0]["attn"]["conv_weight"].shape == (128, 4)

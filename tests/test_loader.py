@@ -55,14 +55,14 @@ def test_layouts_against_hf_names(tiny_checkpoint):
     p = convert(path)
     lin, full = p["layers"][0], p["layers"][3]
     qkv = raw["model.layers.0.linear_attn.in_proj_qkv.weight"]
-    np.testing.assert_array_equal(lin["attn"]["in_proj"][:, :128], qkv.T)
-    np.testing.assert_array_equal(lin["attn"]["in_proj"][:, -4:], raw["model.layers.0.linear_attn.in_proj_a.weight"].T)
+    np.testing.assert_array_equal(lin["attn"]["in_proj"][:128], qkv)
+    np.testing.assert_array_equal(lin["attn"]["in_proj"][-4:], raw["model.layers.0.linear_attn.in_proj_a.weight"])
     q_proj = raw["model.layers.3.self_attn.q_proj.weight"]  # rows per head: [q (32) | gate (32)]
-    np.testing.assert_array_equal(full["attn"]["qkv_proj"][:, 32:64], q_proj[64:96].T)  # q head 1
-    np.testing.assert_array_equal(full["attn"]["qkv_proj"][:, 128:160], q_proj[32:64].T)  # gate head 0
+    np.testing.assert_array_equal(full["attn"]["qkv_proj"][32:64], q_proj[64:96])  # q head 1
+    np.testing.assert_array_equal(full["attn"]["qkv_proj"][128:160], q_proj[32:64])  # gate head 0
     gate_e1 = raw["model.layers.0.mlp.experts.1.gate_proj.weight"]
     np.testing.assert_array_equal(lin["mlp"]["experts_gate_up"][1][:, :32], gate_e1.T)
-    np.testing.assert_array_equal(p["lm_head"], raw["lm_head.weight"].T)
+    np.testing.assert_array_equal(p["lm_head"], raw["lm_head.weight"])
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
@@ -87,7 +87,7 @@ def test_tied_embeddings(tiny_checkpoint):
     path = tiny_checkpoint("qwen3_5", tie_word_embeddings=True)
     assert "lm_head.weight" not in load_file(str(path / "model.safetensors"))
     p = convert(path)
-    np.testing.assert_array_equal(p["lm_head"], p["embed"].T)
+    np.testing.assert_array_equal(p["lm_head"], p["embed"])
 
 
 def test_bfloat16_keeps_gdn_decay_in_float32(tiny_checkpoint):

@@ -37,7 +37,7 @@ def assert_matches_hf(model, path):
 
     close(params["embed"], decoder.embed_tokens.weight)
     close(params["final_norm"], decoder.norm.weight)
-    close(params["lm_head"], model.lm_head.weight.T)
+    close(params["lm_head"], model.lm_head.weight)
     for i, layer in enumerate(decoder.layers):
         p = params["layers"][i]
         close(p["input_norm"], layer.input_layernorm.weight)
@@ -50,7 +50,7 @@ def assert_matches_hf(model, path):
                     qkv = torch.cat([t.reshape(1, T, -1) for t in (q, k, v)], dim=-1)
                 else:
                     qkv, z, b, a = la.in_proj_qkv(x), la.in_proj_z(x), la.in_proj_b(x), la.in_proj_a(x)
-            y = xn @ ours["in_proj"]
+            y = xn @ ours["in_proj"].T
             cuts = np.cumsum([cfg.conv_dim, cfg.value_dim, cfg.linear_num_value_heads])
             for got, want in zip(np.split(y, cuts, axis=-1), (qkv, z, b, a)):
                 close(got, want)
@@ -58,31 +58,31 @@ def assert_matches_hf(model, path):
             close(ours["A_log"], la.A_log)
             close(ours["dt_bias"], la.dt_bias)
             close(ours["norm"], la.norm.weight)
-            close(ours["out_proj"], la.out_proj.weight.T)
+            close(ours["out_proj"], la.out_proj.weight)
         else:
             sa, ours = layer.self_attn, p["attn"]
             Hq, D = cfg.num_attention_heads, cfg.head_dim
             with torch.no_grad():  # HF: q_proj viewed as [T, Hq, 2D], chunked into query | gate per head
                 query, gate = torch.chunk(sa.q_proj(x).view(1, T, Hq, 2 * D), 2, dim=-1)
                 want = torch.cat([query.reshape(1, T, -1), gate.reshape(1, T, -1), sa.k_proj(x), sa.v_proj(x)], -1)
-            close(xn @ ours["qkv_proj"] + ours.get("qkv_bias", 0), want)  # HF's Linear adds the bias
-            close(ours["o_proj"], sa.o_proj.weight.T)
+            close(xn @ ours["qkv_proj"].T + ours.get("qkv_bias", 0), want)  # HF's Linear adds the bias
+            close(ours["o_proj"], sa.o_proj.weight)
             if cfg.attention_bias:
                 close(ours["o_bias"], sa.o_proj.bias)
             close(ours["q_norm"], sa.q_norm.weight)
             close(ours["k_norm"], sa.k_norm.weight)
         mlp, ours = layer.mlp, p["mlp"]
         if cfg.is_moe_layer(i):
-            close(ours["router"], mlp.gate.weight.T)
+            close(ours["router"], mlp.gate.weight)
             close(ours["experts_gate_up"], mlp.experts.gate_up_proj.transpose(1, 2))
             close(ours["experts_down"], mlp.experts.down_proj.transpose(1, 2))
             se = mlp.shared_expert
-            close(ours["shared_gate_up"], torch.cat([se.gate_proj.weight, se.up_proj.weight]).T)
-            close(ours["shared_down"], se.down_proj.weight.T)
-            close(ours["shared_gate"], mlp.shared_expert_gate.weight.T)
+            close(ours["shared_gate_up"], torch.cat([se.gate_proj.weight, se.up_proj.weight]))
+            close(ours["shared_down"], se.down_proj.weight)
+            close(ours["shared_gate"], mlp.shared_expert_gate.weight)
         else:
-            close(ours["gate_up"], torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).T)
-            close(ours["down"], mlp.down_proj.weight.T)
+            close(ours["gate_up"], torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+            close(ours["down"], mlp.down_proj.weight)
 
 
 @pytest.mark.parametrize("family, kwargs", [

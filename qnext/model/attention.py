@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pallas_kernels as ops
 from qnext.config import ModelConfig
 from qnext.model.groups import from_groups, query_positions, to_decode, to_prefill
+from qnext.model.linear import linear
 from qnext.model.norms import rms_norm
 from qnext.model.rotary import apply_rotary
 from qnext.model.step_inputs import StepInputs
@@ -16,7 +17,7 @@ def full_attention(p, x, kv, inputs: StepInputs, cfg: ModelConfig):
     """x: [T, H]; kv: (k_pages, v_pages). Returns (out [T, H], kv)."""
     t = x.shape[0]
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    proj = x @ p["qkv_proj"]
+    proj = linear(x, p["qkv_proj"])
     if "qkv_bias" in p:
         proj = proj + p["qkv_bias"]
     q, gate, k, v = jnp.split(proj, [hq * d, 2 * hq * d, 2 * hq * d + hkv * d], axis=-1)
@@ -36,7 +37,7 @@ def full_attention(p, x, kv, inputs: StepInputs, cfg: ModelConfig):
     out_prefill = attend(to_prefill(q, inputs), inputs.prefill)
     out = from_groups(out_decode, out_prefill, inputs).astype(x.dtype).reshape(t, hq * d)
     out = out * jax.nn.sigmoid(gate)
-    out = out @ p["o_proj"]
+    out = linear(out, p["o_proj"])
     if "o_bias" in p:
         out = out + p["o_bias"]
     return out, (k_pages, v_pages)

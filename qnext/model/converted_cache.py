@@ -21,7 +21,7 @@ from qnext.model.weights import as_dtype, map_specs, param_specs
 log = logging.getLogger(__name__)
 
 # Bump when the converted layout changes so old caches are ignored.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # 2: dense weights [out, in]
 _KEYED_SUFFIXES = (".safetensors", ".json")
 
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pallas_kernels as ops
 from qnext.config import ModelConfig
 from qnext.model.groups import from_groups, to_decode, to_prefill
+from qnext.model.linear import linear
 from qnext.model.norms import gated_rms_norm
 from qnext.model.step_inputs import StepInputs
 
@@ -39,7 +40,7 @@ def gated_deltanet(p, x, conv_state, recurrent_state, inputs: StepInputs, cfg: M
     """x: [T, H]. Returns (out [T, H], conv_state, recurrent_state)."""
     t = x.shape[0]
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    proj = x @ p["in_proj"]
+    proj = linear(x, p["in_proj"])
     mixed, z, b, a = jnp.split(proj, [cfg.conv_dim, cfg.conv_dim + cfg.value_dim, cfg.conv_dim + cfg.value_dim + hv],
                                axis=-1)
     dec, pre = inputs.decode, inputs.prefill
@@ -62,4 +63,4 @@ def gated_deltanet(p, x, conv_state, recurrent_state, inputs: StepInputs, cfg: M
 
     out = from_groups(out_d, out_p, inputs).astype(x.dtype)                       # [T, Hv, dv]
     out = gated_rms_norm(out, z.reshape(t, hv, dv), p["norm"], cfg.rms_norm_eps)
-    return out.reshape(t, hv * dv) @ p["out_proj"], conv_state, recurrent_state
+    return linear(out.reshape(t, hv * dv), p["out_proj"]), conv_state, recurrent_state

@@ -10,6 +10,7 @@ from qnext.config import ModelConfig
 from qnext.model.attention import full_attention
 from cache.device_buffers import CacheBuffers
 from qnext.model.deltanet import gated_deltanet
+from qnext.model.linear import linear
 from qnext.model.mlp import feed_forward
 from qnext.model.norms import rms_norm
 from qnext.model.step_inputs import StepInputs
@@ -33,7 +34,7 @@ def forward(params, buffers: CacheBuffers, inputs: StepInputs, cfg: ModelConfig)
             x = x + out
             x = x + feed_forward(p["mlp"], rms_norm(x, p["post_attn_norm"], cfg.rms_norm_eps), cfg, i)
     h = rms_norm(x[inputs.logits_index], params["final_norm"], cfg.rms_norm_eps)
-    logits = jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
+    logits = linear(h, params["lm_head"], preferred_element_type=jnp.float32)
     return logits, CacheBuffers(kv=tuple(kv), conv=tuple(conv), recurrent=tuple(recurrent))
 
 

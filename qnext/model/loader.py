@@ -2,8 +2,8 @@
 
 Handles single-file and sharded checkpoints, the Qwen3.5 VLM prefix `model.language_model.` (skipping
 `model.visual.*` and `mtp.*`), Qwen3-Next's per-key-head interleaved `in_proj_qkvz` / `in_proj_ba`, Qwen3.5's split
-GDN projections, per-head [q | gate] rows of `q_proj`, and per-expert or fused experts. HF stores [out, in];
-the pytree stores [in, out].
+GDN projections, per-head [q | gate] rows of `q_proj`, and per-expert or fused experts. Dense weights keep HF's
+[out, in]; expert stacks become [E, in, out].
 """
 
 from __future__ import annotations
@@ -95,12 +95,8 @@ def _same(name: str, *shape: int) -> _Leaf:
     return _Leaf(((name, shape),), lambda x: x)
 
 
-def _transposed(name: str, *shape: int) -> _Leaf:  # HF [out, in] -> [in, out]
-    return _Leaf(((name, shape),), lambda x: x.T)
-
-
-def _rows_transposed(*sources: tuple[str, tuple[int, ...]]) -> _Leaf:  # stack HF row blocks, then [in, out]
-    return _Leaf(tuple(sources), lambda *xs: np.concatenate(xs, axis=0).T)
+def _stacked_rows(*sources: tuple[str, tuple[int, ...]]) -> _Leaf:  # HF [out_i, in] blocks -> [sum out_i, in]
+    return _Leaf(tuple(sources), lambda *xs: np.concatenate(xs, axis=0))
 
 
 def _at(tree: Any, path: tuple) -> Any:
@@ -128,7 +124,7 @@ def _plan(t: "_Tensors", cfg: ModelConfig) -> dict[str, Any]:
     return {
         "embed": _same("model.embed_tokens.weight", V, H),
         "final_norm": _same("model.norm.weight", H),
-        "lm_head": _transposed("model.embed_tokens.weight" if tied else "lm_head.weight", V, H),
+        "lm_head": _same("model.embed_tokens.weight" if tied else "lm_head.weight", V, H),
         "layers": tuple(layers),
     }
 
@@ -142,13 +138,13 @@ def _linear_attention(t: "_Tensors", p: str, cfg: ModelConfig) -> dict[str, _Lea
         def deinterleave(qkvz: np.ndarray, ba: np.ndarray) -> np.ndarray:
             q, k, v, z = np.split(qkvz.reshape(Hk, 2 * dk + 2 * r * dv, H), np.cumsum([dk, dk, r * dv]), axis=1)
             b, a = np.split(ba.reshape(Hk, 2 * r, H), [r], axis=1)
-            return np.concatenate([x.reshape(-1, H) for x in (q, k, v, z, b, a)], axis=0).T
+            return np.concatenate([x.reshape(-1, H) for x in (q, k, v, z, b, a)], axis=0)
 
         in_proj = _Leaf(((p + "in_proj_qkvz.weight", (2 * cfg.key_dim + 2 * cfg.value_dim, H)),
                          (p + "in_proj_ba.weight", (2 * Hv, H))), deinterleave)
     else:
         # Qwen3.5: in_proj_qkv rows are already the conv channel order q | k | v.
-        in_proj = _rows_transposed((p + "in_proj_qkv.weight", (cfg.conv_dim, H)),
+        in_proj = _stacked_rows((p + "in_proj_qkv.weight", (cfg.conv_dim, H)),
                                    (p + "in_proj_z.weight", (cfg.value_dim, H)),
                                    (p + "in_proj_b.weight", (Hv, H)), (p + "in_proj_a.weight", (Hv, H)))
     return {
@@ -157,7 +153,7 @@ def _linear_attention(t: "_Tensors", p: str, cfg: ModelConfig) -> dict[str, _Lea
         "A_log": _same(p + "A_log", Hv),
         "dt_bias": _same(p + "dt_bias", Hv),
         "norm": _same(p + "norm.weight", dv),
-        "out_proj": _transposed(p + "out_proj.weight", H, cfg.value_dim),
+        "out_proj": _same(p + "out_proj.weight", H, cfg.value_dim),
     }
 
 
@@ -168,12 +164,12 @@ def _full_attention(t: "_Tensors", p: str, cfg: ModelConfig) -> dict[str, _Leaf]
     def q_gate_k_v(q_proj: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         q_proj = q_proj.reshape(Hq, 2, D, *q_proj.shape[1:])
         q, gate = (q_proj[:, j].reshape(Hq * D, *q_proj.shape[3:]) for j in (0, 1))
-        return np.concatenate([q, gate, k, v], axis=0).T
+        return np.concatenate([q, gate, k, v], axis=0)
 
     out = {
         "qkv_proj": _Leaf(((p + "q_proj.weight", (2 * Hq * D, H)), (p + "k_proj.weight", (Hkv * D, H)),
                            (p + "v_proj.weight", (Hkv * D, H))), q_gate_k_v),
-        "o_proj": _transposed(p + "o_proj.weight", H, Hq * D),
+        "o_proj": _same(p + "o_proj.weight", H, Hq * D),
         "q_norm": _same(p + "q_norm.weight", D),
         "k_norm": _same(p + "k_norm.weight", D),
     }
@@ -187,8 +183,8 @@ def _full_attention(t: "_Tensors", p: str, cfg: ModelConfig) -> dict[str, _Leaf]
 def _dense_mlp(p: str, cfg: ModelConfig) -> dict[str, _Leaf]:
     H, I = cfg.hidden_size, cfg.intermediate_size
     return {
-        "gate_up": _rows_transposed((p + "gate_proj.weight", (I, H)), (p + "up_proj.weight", (I, H))),
-        "down": _transposed(p + "down_proj.weight", H, I),
+        "gate_up": _stacked_rows((p + "gate_proj.weight", (I, H)), (p + "up_proj.weight", (I, H))),
+        "down": _same(p + "down_proj.weight", H, I),
     }
 
 
@@ -207,13 +203,13 @@ def _moe(t: "_Tensors", p: str, cfg: ModelConfig) -> dict[str, _Leaf]:
         )
         down = _Leaf(tuple((f"{e}{j}.down_proj.weight", (H, I)) for j in range(E)), lambda *m: swap(np.stack(m)))
     return {
-        "router": _transposed(p + "gate.weight", E, H),
+        "router": _same(p + "gate.weight", E, H),
         "experts_gate_up": gate_up,
         "experts_down": down,
-        "shared_gate_up": _rows_transposed((p + "shared_expert.gate_proj.weight", (Is, H)),
+        "shared_gate_up": _stacked_rows((p + "shared_expert.gate_proj.weight", (Is, H)),
                                            (p + "shared_expert.up_proj.weight", (Is, H))),
-        "shared_down": _transposed(p + "shared_expert.down_proj.weight", H, Is),
-        "shared_gate": _transposed(p + "shared_expert_gate.weight", 1, H),
+        "shared_down": _same(p + "shared_expert.down_proj.weight", H, Is),
+        "shared_gate": _same(p + "shared_expert_gate.weight", 1, H),
     }
 
 

@@ -5,11 +5,12 @@ import jax
 import jax.numpy as jnp
 
 from qnext.config import ModelConfig
+from qnext.model.linear import linear
 
 
 def swiglu(x, gate_up, down):
-    gate, up = jnp.split(x @ gate_up, 2, axis=-1)
-    return (jax.nn.silu(gate) * up) @ down
+    gate, up = jnp.split(linear(x, gate_up), 2, axis=-1)
+    return linear(jax.nn.silu(gate) * up, down)
 
 
 MOE_BLOCK_ROWS = 16
@@ -42,7 +43,7 @@ def moe(p, x, cfg: ModelConfig):
     dtype. Token copies are sorted by expert and run through grouped matmuls."""
     t, h = x.shape
     e, top_k = cfg.num_experts, cfg.num_experts_per_tok
-    probs = jax.nn.softmax((x @ p["router"]).astype(jnp.float32), axis=-1)
+    probs = jax.nn.softmax(linear(x, p["router"]).astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)                                    # [T, k]
     if cfg.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -58,7 +59,7 @@ def moe(p, x, cfg: ModelConfig):
     routed = jnp.zeros((t, h), out.dtype).at[token_of].add(out)
 
     shared = swiglu(x, p["shared_gate_up"], p["shared_down"])
-    return routed + jax.nn.sigmoid(x @ p["shared_gate"]) * shared
+    return routed + jax.nn.sigmoid(linear(x, p["shared_gate"])) * shared
 
 
 def feed_forward(p, x, cfg: ModelConfig, layer: int):

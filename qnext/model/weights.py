@@ -1,6 +1,7 @@
 """The weights pytree (docs/CONTRACTS.md): shapes, dtypes and logical axes declared once.
 
-Matmul weights are [in, out] (x @ W). Axis names are logical ("vocab", "embed", "heads", "kv", "mlp", "expert");
+Dense matmul weights are [out, in], the checkpoint's nn.Linear layout (x @ W^T, see qnext/model/linear.py);
+expert stacks are [E, in, out] (the grouped matmul's layout). Axis names are logical ("vocab", "embed", "heads", "kv", "mlp", "expert");
 None means the axis is never sharded. `A_log` and `dt_bias` are float32 whatever the model dtype.
 """
 
@@ -52,20 +53,20 @@ def param_specs(cfg: ModelConfig, dtype: Any = "float32") -> dict[str, Any]:
         if cfg.is_linear_layer(i):
             Hv = cfg.linear_num_value_heads
             layer["attn"] = {
-                # columns: q (Hk*dk) | k (Hk*dk) | v (Hv*dv) | z (Hv*dv) | b (Hv) | a (Hv)
-                "in_proj": spec((H, cfg.conv_dim + cfg.value_dim + 2 * Hv), ("embed", "heads")),
+                # rows: q (Hk*dk) | k (Hk*dk) | v (Hv*dv) | z (Hv*dv) | b (Hv) | a (Hv)
+                "in_proj": spec((cfg.conv_dim + cfg.value_dim + 2 * Hv, H), ("heads", "embed")),
                 "conv_weight": spec((cfg.conv_dim, cfg.linear_conv_kernel_dim), ("heads", None)),
                 "A_log": spec((Hv,), ("heads",), f32),
                 "dt_bias": spec((Hv,), ("heads",), f32),
                 "norm": spec((cfg.linear_value_head_dim,), (None,)),
-                "out_proj": spec((cfg.value_dim, H), ("heads", "embed")),
+                "out_proj": spec((H, cfg.value_dim), ("embed", "heads")),
             }
         else:
             Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
             qkv = 2 * Hq * D + 2 * Hkv * D  # q | gate | k | v
             attn = {
-                "qkv_proj": spec((H, qkv), ("embed", "heads")),
-                "o_proj": spec((Hq * D, H), ("heads", "embed")),
+                "qkv_proj": spec((qkv, H), ("heads", "embed")),
+                "o_proj": spec((H, Hq * D), ("embed", "heads")),
                 "q_norm": spec((D,), (None,)),
                 "k_norm": spec((D,), (None,)),
             }
@@ -76,22 +77,22 @@ def param_specs(cfg: ModelConfig, dtype: Any = "float32") -> dict[str, Any]:
         if cfg.is_moe_layer(i):
             E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
             layer["mlp"] = {
-                "router": spec((H, E), ("embed", None)),
+                "router": spec((E, H), (None, "embed")),
                 "experts_gate_up": spec((E, H, 2 * I), ("expert", "embed", "mlp")),
                 "experts_down": spec((E, I, H), ("expert", "mlp", "embed")),
-                "shared_gate_up": spec((H, 2 * Is), ("embed", "mlp")),
-                "shared_down": spec((Is, H), ("mlp", "embed")),
-                "shared_gate": spec((H, 1), ("embed", None)),
+                "shared_gate_up": spec((2 * Is, H), ("mlp", "embed")),
+                "shared_down": spec((H, Is), ("embed", "mlp")),
+                "shared_gate": spec((1, H), (None, "embed")),
             }
         else:
             I = cfg.intermediate_size
-            layer["mlp"] = {"gate_up": spec((H, 2 * I), ("embed", "mlp")), "down": spec((I, H), ("mlp", "embed"))}
+            layer["mlp"] = {"gate_up": spec((2 * I, H), ("mlp", "embed")), "down": spec((H, I), ("embed", "mlp"))}
         layers.append(layer)
 
     return {
         "embed": spec((V, H), ("vocab", "embed")),
         "final_norm": spec((H,), ("embed",)),
-        "lm_head": spec((H, V), ("embed", "vocab")),
+        "lm_head": spec((V, H), ("vocab", "embed")),
         "layers": tuple(layers),
     }
 
@@ -129,5 +130,5 @@ def init_params(cfg: ModelConfig, dtype: Any = "float32", seed: int = 0) -> dict
 
     params = map_specs(init, param_specs(cfg, dtype))
     if cfg.tie_word_embeddings:
-        params["lm_head"] = np.ascontiguousarray(params["embed"].T)
+        params["lm_head"] = params["embed"].copy()
     return params
