@@ -40,19 +40,26 @@ def causal_conv1d_chunked_reference(x, weight, conv_state, length, read_row, wri
     n, c, d = x.shape
     halo_len = weight.shape[1] - 1
     init = _initial_windows(conv_state, read_row).astype(x.dtype)
+    # A group's halo is its segment's initial window (first group) or the previous group's tail, the last K-1
+    # entries of [halo | x]. A tail comes from x alone when the group has >= K-1 rows; a shorter group (a cut at a
+    # snapshot capture) takes the rest from its own halo. Each group has >= 1 row, so K-1 rounds of "halo <- tail of
+    # the previous group" settle every chain, with only [N, K-1, D] arrays in the loop (a scan over the groups
+    # carried [C + K-1, D] windows and ran ~5x slower on CPU).
+    tail_pos = length[:, None] + jnp.arange(halo_len)[None, :]                 # [N, K-1] positions in [halo | x]
+    from_x = jnp.take_along_axis(x, jnp.clip(tail_pos - halo_len, 0, c - 1)[..., None], axis=1)
+    halo = init
 
-    def step(prev_tail, xs):
-        first, init_c, x_c, len_c = xs
-        halo = jnp.where(first, init_c, prev_tail)
-        ext = jnp.concatenate([halo, x_c], axis=0)                         # [K-1+C, D]
-        tail = jax.lax.dynamic_slice_in_dim(ext, len_c, halo_len, axis=0)
-        return tail, (halo, tail)
+    def tails_of(halo):
+        from_halo = jnp.take_along_axis(halo, jnp.clip(tail_pos, 0, halo_len - 1)[..., None], axis=1)
+        return jnp.where((tail_pos >= halo_len)[..., None], from_x, from_halo)
 
-    _, (halos, tails) = jax.lax.scan(step, jnp.zeros((halo_len, d), x.dtype), (is_first, init, x, length))
-    y = _conv_silu(jnp.concatenate([halos, x], axis=1), weight)
+    for _ in range(halo_len):
+        previous = jnp.concatenate([jnp.zeros_like(halo[:1]), tails_of(halo)[:-1]], axis=0)
+        halo = jnp.where(is_first[:, None, None], init, previous)
+    y = _conv_silu(jnp.concatenate([halo, x], axis=1), weight)
     valid = jnp.arange(c)[None, :, None] < length[:, None, None]
     y = jnp.where(valid, y, 0.0).astype(x.dtype)
-    return y, _write_rows(conv_state, tails, write_row, is_last, capture_row)
+    return y, _write_rows(conv_state, tails_of(halo), write_row, is_last, capture_row)
 
 
 def causal_conv1d_update_reference(x, weight, conv_state, read_row, write_row, capture_row):

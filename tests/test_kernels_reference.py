@@ -59,10 +59,10 @@ class RowLayout:
         return np.where((idx >= 0).reshape(idx.shape + (1,) * (flat.ndim - 1)), flat[np.maximum(idx, 0)], junk)
 
 
-def random_row_layout(rng, seg_lens, c, *, num_pad=1):
+def random_row_layout(rng, seg_lens, c, *, num_pad=1, capture_at=None):
     """Segments of the given lengths, cycling through fresh / restored from the live row / restored from a snapshot
-    row, each with 1-2 capture cuts; cut into groups of <= c tokens (also at every capture); `num_pad` padding
-    groups (length 0, writing only to row 0) inserted between segments."""
+    row, each with 1-2 capture cuts (or at the positions `capture_at` gives); cut into groups of <= c tokens (also
+    at every capture); `num_pad` padding groups (length 0, writing only to row 0) inserted between segments."""
     next_row = 1
     segments, start = [], 0
     first_kind = rng.integers(3)
@@ -77,7 +77,8 @@ def random_row_layout(rng, seg_lens, c, *, num_pad=1):
         else:
             read_row, next_row = next_row, next_row + 1
         captures = {}
-        for p in sorted(rng.choice(np.arange(1, n + 1), size=min(n, 1 + int(rng.integers(2))), replace=False)):
+        cuts = rng.choice(np.arange(1, n + 1), size=min(n, 1 + int(rng.integers(2))), replace=False)
+        for p in sorted(cuts if capture_at is None else capture_at):
             captures[int(p)], next_row = next_row, next_row + 1
         segments.append(Segment(start, n, read_row, write_row, captures))
         start += n
@@ -249,10 +250,14 @@ def conv_expected(layout, x, weight, conv_state):
     return out, want
 
 
-@pytest.mark.parametrize("seed, seg_lens, c", [(0, (37, 2, 64), 16), (1, (1, 3, 90), 64)])
-def test_causal_conv1d_chunked_reference_matches_direct_conv(seed, seg_lens, c):
+@pytest.mark.parametrize("seed, seg_lens, c, capture_at", [
+    (0, (37, 2, 64), 16, None),
+    (1, (1, 3, 90), 64, None),
+    (2, (20, 20, 20), 16, (1, 2, 3, 5, 6)),     # runs of groups shorter than the halo: tails reach back 3 groups
+])
+def test_causal_conv1d_chunked_reference_matches_direct_conv(seed, seg_lens, c, capture_at):
     rng = np.random.default_rng(seed)
-    layout = random_row_layout(rng, seg_lens, c, num_pad=2)
+    layout = random_row_layout(rng, seg_lens, c, num_pad=2, capture_at=capture_at)
     d, width = 24, 4
     x = rng.normal(size=(layout.num_tokens, d)).astype(np.float32)
     weight = rng.normal(size=(d, width)).astype(np.float32)
