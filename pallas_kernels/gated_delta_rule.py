@@ -14,10 +14,10 @@ Chunked form (chunk of C rows i, j; S the state entering the chunk; G the inclus
     O = diag(exp(G)) Q S + ((Q K^T) * Gamma) V'
     S_next = exp(G_last) S + (diag(exp(G_last - G)) K)^T V'
 The intra-chunk parts (T, W, U, Q K^T * Gamma) are computed for all chunks at once; only the S-dependent
-matmuls run in the sequential scan over chunks (the split of FLA's kernels: intra-chunk, then state passing).
+matmuls run in the sequential loop over chunks (the split of FLA's kernels: intra-chunk, then state passing).
 
-Rows layout (see docs/CONTRACTS.md): the state pool has R rows [R, Hv, dk, dv]; row 0 is the zero state that
-nothing writes (padding writes are dropped). Each group (one chunk of one sequence's segment) reads its initial
+Rows layout (see docs/CONTRACTS.md): the state pool has R rows [R, Hv, dk, dv]; row 0 is the zero state (writes
+meant for nowhere are dropped or write zeros there). Each group (one chunk of one sequence's segment) reads its initial
 state from `read_row` when it is the first group of its segment (-1 or 0 means a zero state), writes its end state
 to `write_row` when it is the last, and to `capture_row` (0 = none) always. Groups of one segment are consecutive
 and in order.
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-_IN_PLACE_ROW_BYTES = 1 << 16      # state rows from this size are read and written one at a time (see below)
+_IN_PLACE_ROW_BYTES = 1 << 16      # decode: state rows from this size are updated in place (see below)
 
 
 def _expand_heads(x, num_v_heads):
@@ -42,51 +42,47 @@ def _big_rows(pool) -> bool:
 
 
 def _gather_rows(pool, rows):
-    """Initial states for `rows` ([N]); row -1 (or 0) means a zero state. Small rows only: big ones are read one at
-    a time where they are used (XLA:CPU's row slices run near memory bandwidth, its gather of many MiB at ~1 GB/s)."""
+    """States for `rows` ([N]); row -1 (or 0) means a zero state. Small rows only (the batched decode path)."""
     # Row 0 is the zero state (nothing writes it), so -1 and 0 both read zeros with a plain gather (a gather with
     # mode="fill" or a select after it costs ~5x more on CPU).
     return pool[jnp.maximum(rows, 0)]
 
 
-def _write_rows(pool, states, write_row, is_last, capture_row):
-    """End states go to the live row (last group of a segment) and to the capture row (0 = dummy)."""
-    # Writes to row 0 (padding, no capture) and of groups that are not last are dropped: row 0 stays the zero state.
-    live = jnp.where(is_last & (write_row > 0), write_row, 0)
-    if _big_rows(pool):
-        return _put_rows(_put_rows(pool, states, live), states, capture_row)
+def _scatter_rows(pool, states, write_row, capture_row):
+    """New states go to the live row and to the capture row; writes to row 0 (padding, no capture) are dropped, so
+    row 0 stays the zero state. Small rows only (the batched decode path)."""
     nowhere = pool.shape[0]
-    pool = pool.at[jnp.where(live > 0, live, nowhere)].set(states, mode="drop")
+    pool = pool.at[jnp.where(write_row > 0, write_row, nowhere)].set(states, mode="drop")
     return pool.at[jnp.where(capture_row > 0, capture_row, nowhere)].set(states, mode="drop")
 
 
-def _put_rows(pool, states, dst):
-    """pool[dst[i]] = states[i] for the i with dst[i] > 0."""
-    return _write_selected_rows(pool, dst, lambda pool, i: jax.lax.dynamic_index_in_dim(states, i, keepdims=False))
+def _put_row(pool, s, row):
+    """pool[row] = s for row > 0; row 0 (nothing to write) is rewritten with zeros, which keeps it the zero state."""
+    return jax.lax.dynamic_update_index_in_dim(pool, jnp.where(row > 0, s, 0.0).astype(pool.dtype), row, 0)
 
 
 def _copy_rows(pool, src, dst):
-    """pool[dst[i]] = pool[src[i]] for the i with dst[i] > 0 (sources read as they are when their turn comes)."""
-    return _write_selected_rows(pool, dst,
-                                lambda pool, i: jax.lax.dynamic_index_in_dim(pool, src[i], keepdims=False))
-
-
-def _write_selected_rows(pool, dst, row_of):
-    """pool[dst[i]] = row_of(pool, i) for the i with dst[i] > 0, one row at a time over only those rows (a step
-    writes few of its rows' states: a masked scatter would move every row)."""
+    """pool[dst[i]] = pool[src[i]] for the i with dst[i] > 0, one row at a time over only those rows (a step
+    captures few of its rows' states: a masked scatter would move every row)."""
     order = jnp.argsort(dst <= 0, stable=True)            # rows to write first
     count = jnp.sum(dst > 0)
 
     def put(carry):
         j, pool = carry
         i = order[j]
-        return j + 1, jax.lax.dynamic_update_index_in_dim(pool, row_of(pool, i).astype(pool.dtype), dst[i], 0)
+        row = jax.lax.dynamic_index_in_dim(pool, src[i], keepdims=False)
+        return j + 1, jax.lax.dynamic_update_index_in_dim(pool, row, dst[i], 0)
 
     return jax.lax.while_loop(lambda c: c[0] < count, put, (jnp.int32(0), pool))[1]
 
 
 def _mm(a, b):
     return jnp.matmul(a, b, precision=_HIGHEST)
+
+
+def _mm_nt(a, b):
+    """a [..., m, d] @ b[..., n, d]^T without materialising the transpose."""
+    return jnp.einsum("...md,...nd->...mn", a, b, precision=_HIGHEST)
 
 
 def _forward_substitute(lower):
@@ -126,48 +122,46 @@ def chunk_gated_delta_rule_reference(q, k, v, g, beta, length, state, read_row, 
     hv = v.shape[2]
     valid = jnp.arange(c)[None, :] < length[:, None]                       # [N, C]
     f32 = jnp.float32
-    q = jnp.where(valid[..., None, None], _expand_heads(q.astype(f32), hv), 0.0)
-    k = jnp.where(valid[..., None, None], _expand_heads(k.astype(f32), hv), 0.0)
-    v = v.astype(f32)
-    g = jnp.where(valid[..., None], g.astype(f32), 0.0)
-    beta = jnp.where(valid[..., None], beta.astype(f32), 0.0)
-
-    # Heads first: [N, Hv, C, d].
-    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
-    g, beta = jnp.swapaxes(g, 1, 2), jnp.swapaxes(beta, 1, 2)
+    r = hv // q.shape[2]
+    # Heads first: [N, H, C, d]. Products of q and k are taken per key head, then shared by its r value heads.
+    q, k = (jnp.swapaxes(jnp.where(valid[..., None, None], x.astype(f32), 0.0), 1, 2) for x in (q, k))
+    kk, qk = (jnp.repeat(_mm_nt(x, k), r, axis=1) for x in (k, q))          # [N, Hv, C, C]
+    q, k = jnp.repeat(q, r, axis=1), jnp.repeat(k, r, axis=1)
+    v = jnp.swapaxes(v.astype(f32), 1, 2)
+    g = jnp.swapaxes(jnp.where(valid[..., None], g.astype(f32), 0.0), 1, 2)
+    beta = jnp.swapaxes(jnp.where(valid[..., None], beta.astype(f32), 0.0), 1, 2)
     big_g = jnp.cumsum(g, axis=-1)                                          # [N, Hv, C]
     causal = jnp.tril(jnp.ones((c, c), bool))
     gamma = jnp.exp(jnp.where(causal, big_g[..., :, None] - big_g[..., None, :], -jnp.inf))  # incl. diagonal
-    k_t = jnp.swapaxes(k, -1, -2)
 
     strict = jnp.tril(jnp.ones((c, c), bool), -1)
-    lower = jnp.where(strict, beta[..., :, None] * _mm(k, k_t) * gamma, 0.0)
+    lower = jnp.where(strict, beta[..., :, None] * kk * gamma, 0.0)
     t_mat = _unit_lower_inverse(lower)
-    # W | U = T [diag(beta e^G) K | diag(beta) V], in one matmul.
-    wu = _mm(t_mat, jnp.concatenate([(beta * jnp.exp(big_g))[..., None] * k, beta[..., None] * v], axis=-1))
-    w, u = wu[..., :dk], wu[..., dk:]
-    qk = _mm(q, k_t) * gamma
+    w = _mm(t_mat, (beta * jnp.exp(big_g))[..., None] * k)
+    u = _mm(t_mat, beta[..., None] * v)
+    qk = qk * gamma
     q_decayed = jnp.exp(big_g)[..., None] * q
     g_last = big_g[..., -1]                                                 # padded rows have g = 0
-    kd_t = jnp.swapaxes(jnp.exp(g_last[..., None] - big_g)[..., None] * k, -1, -2)   # [N, Hv, dk, C]
-    # Big rows are read inside the scan, one per group, instead of gathered up front (see _gather_rows).
-    read_in_scan = _big_rows(state)
-    init = jnp.maximum(read_row, 0) if read_in_scan else _gather_rows(state, read_row)   # rows or states
+    kd = jnp.exp(g_last[..., None] - big_g)[..., None] * k                  # [N, Hv, C, dk]
+    live = jnp.where(is_last & (write_row > 0), write_row, 0)     # end state -> live row (last group only)
+    read = jnp.maximum(read_row, 0)                               # row 0 is the zero state
 
-    def step(prev, xs):
-        first, init_c, w_c, u_c, qd_c, qk_c, kd_c, g_last_c = xs
-        if read_in_scan:
-            init_c = jax.lax.dynamic_index_in_dim(state, init_c, keepdims=False).astype(f32)
-        s_in = jnp.where(first, init_c, prev)
-        v_new = u_c - _mm(w_c, s_in)                                        # V' = U - W S
-        o = _mm(qd_c, s_in) + _mm(qk_c, v_new)                              # e^G Q S + (QK^T * Gamma) V'
-        s_out = jnp.exp(g_last_c)[:, None, None] * s_in + _mm(kd_c, v_new)  # e^G_last S + Kd^T V'
-        return s_out, (o, s_out)
+    # Sequential over groups; a group's output replaces its U row in place (no zero-filled output buffer) and its
+    # end state goes straight into the pool rows it is written to (no stack of every group's state).
+    def group(i, carry):
+        prev, pool, out = carry
+        init = jax.lax.dynamic_index_in_dim(pool, read[i], keepdims=False).astype(f32)
+        s_in = jnp.where(is_first[i], init, prev)
+        v_new = out[i] - _mm(w[i], s_in)                                    # V' = U - W S
+        o = _mm(q_decayed[i], s_in) + _mm(qk[i], v_new)                     # e^G Q S + (QK^T * Gamma) V'
+        s_out = jnp.exp(g_last[i])[:, None, None] * s_in + jnp.einsum(      # e^G_last S + Kd^T V'
+            "hck,hcv->hkv", kd[i], v_new, precision=_HIGHEST)
+        pool = _put_row(_put_row(pool, s_out, live[i]), s_out, capture_row[i])
+        return s_out, pool, jax.lax.dynamic_update_index_in_dim(out, o, i, 0)
 
-    xs = (is_first, init, w, u, q_decayed, qk, kd_t, g_last)
-    _, (o, s_out) = jax.lax.scan(step, jnp.zeros((hv, dk, v.shape[-1]), f32), xs, unroll=2)
+    _, state, o = jax.lax.fori_loop(0, n, group, (jnp.zeros((hv, dk, v.shape[-1]), f32), state, u), unroll=2)
     o = jnp.where(valid[:, None, :, None], o, 0.0)
-    return jnp.swapaxes(o, 1, 2), _write_rows(state, s_out, write_row, is_last, capture_row)
+    return jnp.swapaxes(o, 1, 2), state
 
 
 def recurrent_gated_delta_rule_reference(q, k, v, g, beta, state, read_row, write_row, capture_row):
@@ -216,7 +210,7 @@ def _recurrent_batched(q, k, v, decay, beta, state, read_row, write_row, capture
     delta = beta[..., None] * (v - decay * reads[..., 0, :])
     o = decay * reads[..., 1, :] + jnp.sum(k * q, axis=-1, keepdims=True) * delta
     s = decay[..., None] * s + k[..., :, None] * delta[..., None, :]
-    return o, _write_rows(state, s, write_row, jnp.ones_like(read_row, bool), capture_row)
+    return o, _scatter_rows(state, s, write_row, capture_row)
 
 
 def gated_delta_rule_token_scan(q, k, v, g, beta, initial_state=None):

@@ -193,15 +193,12 @@ def _fresh_jit(fn):
     return jax.jit(lambda *args: fn(*args))
 
 
-@pytest.mark.parametrize("seed, seg_lens, c, hk, hv, in_place", [
-    (0, (37, 64, 5), 16, 2, 2, False),
-    (1, (130, 1, 70), 64, 1, 2, False),
-    (2, (16, 33, 17, 2), 16, 1, 4, False),
-    (2, (16, 33, 17, 2), 16, 1, 4, True),      # rows read and written one at a time, as real-size states are
+@pytest.mark.parametrize("seed, seg_lens, c, hk, hv", [
+    (0, (37, 64, 5), 16, 2, 2),
+    (1, (130, 1, 70), 64, 1, 2),
+    (2, (16, 33, 17, 2), 16, 1, 4),
 ])
-def test_chunked_gated_delta_rule_reference_matches_token_scan(seed, seg_lens, c, hk, hv, in_place, monkeypatch):
-    if in_place:
-        monkeypatch.setattr(gdr, "_IN_PLACE_ROW_BYTES", 0)
+def test_chunked_gated_delta_rule_reference_matches_token_scan(seed, seg_lens, c, hk, hv):
     rng = np.random.default_rng(seed)
     layout = random_row_layout(rng, seg_lens, c, num_pad=2)
     q, k, v, g, beta, pool = gdr_inputs(rng, layout.num_tokens, hk, hv, 16, 8, layout.num_rows)
