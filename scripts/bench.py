@@ -13,8 +13,10 @@ Same checkpoint, dtype and prompts for both engines:
 
 JAX compilation is excluded: each timed qnext pass follows a warm-up pass of the same shapes (same prompt lengths,
 other tokens, so the prefix cache cannot hit), and the run checks that no step compiled while timed (if one did,
-the pass is rerun). Compilations persist in --out-dir/jax_cache, so a second run starts faster. Both engines get the same threads (--threads) and alternate in one process, so load
-from other processes affects both alike.
+the pass is rerun). Compilations persist in --out-dir/jax_cache, so a second run starts faster. Both engines get the same threads
+(--threads) and alternate in one process; where transformers runs, each engine makes --repeats timed passes
+(alternating, prompts of the same lengths with new tokens) and its fastest pass is reported, so a slow spell of a
+shared machine does not decide the ratio.
 
     python scripts/bench.py --json-out docs/bench/cpu-float32.json --plot docs/bench/cpu-float32.png
     python scripts/bench.py --models small --dtype bfloat16  # on a GPU: same script, Pallas kernels
@@ -62,6 +64,9 @@ def parse_args(argv=None):
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--input-len", default="64:256", help="prompt lengths, uniform in [lo, hi]")
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="timed passes of each engine, alternating, where transformers runs too; each engine's "
+                         "fastest pass is reported (the machine's load varies run to run)")
     ap.add_argument("--chat-models", default=None, help="presets for the chat workload (default: --models)")
     ap.add_argument("--chats", type=int, default=2)
     ap.add_argument("--turns", type=int, default=4)
@@ -90,6 +95,8 @@ def parse_args(argv=None):
     args.chat_models = models if args.chat_models is None else [m for m in args.chat_models.split(",") if m]
     lo, _, hi = args.input_len.partition(":")
     args.input_len = (int(lo), int(hi or lo))
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     if args.output_len < 2:
         ap.error("--output-len must be at least 2 (TPOT needs two tokens)")
     return args
@@ -468,6 +475,19 @@ def bench_model(name: str, args, hf_ok: bool, log) -> dict:
                           args.output_len, f"again{b}")
         result["compile"]["step_shapes"] += w["compilations"] + q["compilations"]
         result["compile"]["warm_up_seconds"] += w["seconds"]
+        h_passes = []
+        if b in hf_batches and hf is not None:
+            log(f"[{name}] batch {b}: transformers")
+            h_passes.append(run_hf(hf, prompts, args.output_len, cfg.pad_token_id or 0))
+            q_passes = [q]
+            for r in range(1, args.repeats):  # alternating passes; prompts of the same lengths, new tokens
+                again = [[(t * (2 * r + 3) + 7 * r) % (cfg.vocab_size - 11) + 3 for t in p] for p in prompts]
+                log(f"[{name}] batch {b}: pass {r + 1} of {args.repeats}, qnext then transformers")
+                q_passes.append(run_qnext(engine, again, args.output_len, f"b{b}-pass{r}"))
+                h_passes.append(run_hf(hf, again, args.output_len, cfg.pad_token_id or 0))
+            tokens = q["tokens"]                       # agreement: the first pass, same prompts for both
+            q = min(q_passes, key=lambda x: x["seconds"])
+            q["tokens"], q["pass_seconds"] = tokens, [x["seconds"] for x in q_passes]
         row = {"batch": b, "prompt_lens": [len(p) for p in prompts], "output_len": args.output_len}
         flops = workload_flops(cfg, row["prompt_lens"], args.output_len)
         rate_prefill = gemm[prefill_m][args.dtype]["flops_per_s"]
@@ -483,12 +503,12 @@ def bench_model(name: str, args, hf_ok: bool, log) -> dict:
         result["host"][str(b)] = row["qnext"]["host_full_decode"]
         log(f"[{name}] batch {b}: qnext {q['output_tokens_per_s']:.1f} tok/s ({100 * floor / q['seconds']:.0f}% of "
             f"the GEMM floor {row['floor_output_tokens_per_s']:.1f} tok/s)")
-        if b in hf_batches and hf is not None:
-            log(f"[{name}] batch {b}: transformers")
-            h = run_hf(hf, prompts, args.output_len, cfg.pad_token_id or 0)
+        if h_passes:
+            h = min(h_passes, key=lambda x: x["seconds"])
             row["hf"] = {k: v for k, v in h.items() if k != "tokens"}
+            row["hf"]["pass_seconds"] = [x["seconds"] for x in h_passes]
             row["hf"]["fraction_of_floor"] = floor / h["seconds"]
-            row["agreement"] = agreement(q["tokens"], h["tokens"])
+            row["agreement"] = agreement(q["tokens"], h_passes[0]["tokens"])
             row["ratio"] = {"throughput": q["output_tokens_per_s"] / h["output_tokens_per_s"],
                             "ttft": np.mean(q["ttft_s"]) / np.mean(h["ttft_s"]),
                             "tpot": np.mean(q["tpot_s"]) / np.mean(h["tpot_s"])}
