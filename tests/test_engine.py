@@ -172,3 +172,35 @@ def test_abort_frees_the_request(next_path):
     assert out.finished and out.outputs[0].finish_reason == "abort"
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.cache.num_free_slots == ENGINE["max_num_seqs"]
+
+
+def test_in_place_state_rows_match_batched_rows(next_path, monkeypatch):
+    """Real-size state rows (1 MiB) take the decode path that updates rows in place, one (row, head) block at a
+    time; the tiny test states take the batched one. With the size threshold at 0 the tiny model runs the in-place
+    path through an engine (decode captures, restores, several turns): same tokens and logprobs as batched."""
+    import jax
+
+    import pallas_kernels.gated_delta_rule as gdr
+    from qnext.model.forward import make_step
+
+    rng = np.random.default_rng(5)
+    turns = [[ids(rng, 21), ids(rng, 40)]]
+    cold = qnext.LLM(next_path, enable_prefix_caching=False, **ENGINE)       # the batched path
+    expected = []
+    for turn in range(2):
+        batch = [{"prompt_token_ids": h} for h in turns[-1]]
+        expected.append(cold.generate(batch, GREEDY_LOGPROBS))
+        turns.append([h + o.outputs[0].token_ids + ids(rng, 9) for h, o in zip(turns[-1], expected[-1])])
+
+    make_step.cache_clear()                       # the step is traced again, under the patched threshold
+    jax.clear_caches()
+    monkeypatch.setattr(gdr, "_IN_PLACE_ROW_BYTES", 0)
+    try:
+        warm = qnext.LLM(next_path, **ENGINE)
+        for turn in range(2):
+            got = warm.generate([{"prompt_token_ids": h} for h in turns[turn]], GREEDY_LOGPROBS)
+            assert_same(got, expected[turn])
+        assert warm.engine.cache.stats.snapshots_restored > 0
+    finally:
+        make_step.cache_clear()                   # later tests trace the default path again
+        jax.clear_caches()
