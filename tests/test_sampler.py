@@ -33,11 +33,17 @@ def log_softmax(x):
 
 def test_greedy_is_argmax_with_raw_logprobs():
     logits = random_logits(0)
-    out = run(logits, [row(SamplingParams(temperature=0.0), index=i) for i in range(N)])
+    logits[1, [3, 17]] = logits[1].max() + 1.0                   # a tie: the first index wins, as in np.argmax
+    out = run(logits, [row(SamplingParams(temperature=0.0, logprobs=0), index=i) for i in range(N)])
     np.testing.assert_array_equal(out["token_ids"], logits.argmax(-1))
+    assert out["token_ids"][1] == 3
     np.testing.assert_allclose(out["logprobs"], log_softmax(logits).max(-1), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(out["ranks"], 1)
     assert out["top_ids"].shape == (N, 0)
+    # Nobody asked for logprobs: same tokens, the log-softmax is skipped.
+    skipped = run(logits, [row(SamplingParams(temperature=0.0), index=i) for i in range(N)])
+    np.testing.assert_array_equal(skipped["token_ids"], out["token_ids"])
+    assert not np.any(skipped["logprobs"])
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy():
