@@ -17,10 +17,10 @@ The intra-chunk parts (T, W, U, Q K^T * Gamma) are computed for all chunks at on
 matmuls run in the sequential loop over chunks (the split of FLA's kernels: intra-chunk, then state passing).
 
 Rows layout (see docs/CONTRACTS.md): the state pool has R rows [R, Hv, dk, dv]; row 0 is the zero state (writes
-meant for nowhere are dropped or write zeros there). Each group (one chunk of one sequence's segment) reads its initial
-state from `read_row` when it is the first group of its segment (-1 or 0 means a zero state), writes its end state
-to `write_row` when it is the last, and to `capture_row` (0 = none) always. Groups of one segment are consecutive
-and in order.
+meant for nowhere are dropped or write zeros there). Each group (one chunk of one sequence's segment) reads its
+initial state from `read_row` when it is the first group of its segment (-1 or 0 means a zero state), writes its
+end state to `write_row` when it is the last, and to `capture_row` (0 = none) always. Groups of one segment are
+consecutive and in order.
 """
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ Same checkpoint, dtype and prompts for both engines:
 
 JAX compilation is excluded: each timed qnext pass follows a warm-up pass of the same shapes (same prompt lengths,
 other tokens, so the prefix cache cannot hit), and the run checks that no step compiled while timed (if one did,
-the pass is rerun). Compilations persist in --out-dir/jax_cache, so a second run starts faster. Both engines get the same threads
-(--threads) and alternate in one process; where transformers runs, each engine makes --repeats timed passes
+the pass is rerun). Compilations persist in --out-dir/jax_cache, so a second run starts faster. Both engines get
+the same threads (--threads) and alternate in one process; where transformers runs, each engine makes --repeats timed passes
 (alternating, prompts of the same lengths with new tokens) and its fastest pass is reported, so a slow spell of a
 shared machine does not decide the ratio.
 

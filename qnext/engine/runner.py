@@ -81,7 +81,8 @@ class ModelRunner:
         # (a chat turn) pads to at most 1.33x instead of 2x. Mixed steps keep powers of two (fewer compilations).
         halfway = [3 * t // 2 for t in powers if 32 <= t and 3 * t // 2 < powers[-1]]
         for t in sorted(powers + halfway):
-            chunk = min(config.resolved_prefill_chunk(), 1 << (t.bit_length() - 1))   # a power of two (GPU block shapes)
+            # the chunk is a power of two (GPU block shapes)
+            chunk = min(config.resolved_prefill_chunk(), 1 << (t.bit_length() - 1))
             groups = -(-t // chunk) + min(max(2, t // 64), config.max_prefill_groups_extra)
             logits = min(groups, config.max_num_seqs)
             self.prefill_buckets.append(Bucket(LayoutSizes(t, 0, groups, self.max_blocks, logits), chunk))
