@@ -73,7 +73,8 @@ class ModelRunner:
         self.sampler_inputs = SamplerInputBuilder(cfg.vocab_size, cfg.eos_token_ids, seed=config.seed)
         # Decode-only buckets start at 2 rows: with a single row XLA turns the row scatters into dynamic updates
         # and copies every donated cache buffer (~10x slower per step).
-        self.decode_buckets = [Bucket(LayoutSizes(d, d, 0, self.max_blocks, d), config.resolved_prefill_chunk())
+        prefill_chunk = config.resolved_prefill_chunk()
+        self.decode_buckets = [Bucket(LayoutSizes(d, d, 0, self.max_blocks, d), prefill_chunk)
                                for d in _powers_of_two(2, max(2, config.max_num_seqs))]
         self.prefill_buckets, self.mixed_buckets = [], []
         powers = _powers_of_two(16, config.max_num_batched_tokens)
@@ -82,7 +83,7 @@ class ModelRunner:
         halfway = [3 * t // 2 for t in powers if 32 <= t and 3 * t // 2 < powers[-1]]
         for t in sorted(powers + halfway):
             # the chunk is a power of two (GPU block shapes)
-            chunk = min(config.resolved_prefill_chunk(), 1 << (t.bit_length() - 1))
+            chunk = min(prefill_chunk, 1 << (t.bit_length() - 1))
             groups = -(-t // chunk) + min(max(2, t // 64), config.max_prefill_groups_extra)
             logits = min(groups, config.max_num_seqs)
             self.prefill_buckets.append(Bucket(LayoutSizes(t, 0, groups, self.max_blocks, logits), chunk))

@@ -2,7 +2,8 @@
 
 Dense matmul weights are [out, in], the checkpoint's nn.Linear layout (x @ W^T, see qnext/model/linear.py);
 expert stacks are [E, in, out] (the grouped matmul's layout). Axis names are logical ("vocab", "embed", "heads",
-"kv", "mlp", "expert"); None means the axis is never sharded. `A_log` and `dt_bias` are float32 whatever the model dtype.
+"kv", "mlp", "expert"); None means the axis is never sharded. `A_log` and `dt_bias` are float32 whatever the model
+dtype.
 """
 
 from __future__ import annotations
