@@ -15,7 +15,7 @@ from flax import struct
 
 @struct.dataclass
 class CacheBuffers:
-    kv: tuple          # per full-attention layer: (k_pages, v_pages), each [num_blocks, block_size, Hkv, D]
+    kv: tuple          # per full-attention layer: (k_pages, v_pages), each [Hkv, num_blocks, block_size, D]
     conv: tuple        # per linear-attention layer: [R, K-1, conv_dim] model dtype
     recurrent: tuple   # per linear-attention layer: [R, Hv, dk, dv] float32
 
@@ -51,7 +51,7 @@ def num_state_rows(num_live_slots: int, num_snapshot_slots: int) -> int:
 
 def allocate_cache_buffers(layout: CacheLayout, *, num_blocks: int, block_size: int,
                            num_state_rows: int) -> CacheBuffers:
-    page = (num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
+    page = (layout.num_kv_heads, num_blocks, block_size, layout.head_dim)   # head-major (paged_attention.py)
     kv = tuple((jnp.zeros(page, layout.dtype), jnp.zeros(page, layout.dtype)) for _ in range(layout.num_kv_layers))
     conv = tuple(jnp.zeros((num_state_rows, layout.conv_width - 1, layout.conv_dim), layout.dtype)
                  for _ in range(layout.num_state_layers))

@@ -37,9 +37,10 @@ def _check_heads(q_heads, kv_heads, what):
 def write_kv(k_pages, v_pages, k, v, slot_mapping):
     """Write new keys/values [T, Hkv, D] into the pages at flat slots [T]. Returns (k_pages, v_pages)."""
     _check(k_pages.ndim == 4 and k_pages.shape == v_pages.shape,
-           f"k_pages and v_pages must both be [blocks, block_size, Hkv, D], got {k_pages.shape} and {v_pages.shape}")
-    _check(k.shape == v.shape and k.shape[1:] == k_pages.shape[2:],
-           f"k/v must be [T, {k_pages.shape[2]}, {k_pages.shape[3]}], got {k.shape} and {v.shape}")
+           f"k_pages and v_pages must both be [Hkv, blocks, block_size, D], got {k_pages.shape} and {v_pages.shape}")
+    hkv, d = k_pages.shape[0], k_pages.shape[3]
+    _check(k.ndim == 3 and k.shape == v.shape and k.shape[1:] == (hkv, d),
+           f"k/v must be [T, {hkv}, {d}], got {k.shape} and {v.shape}")
     _check(slot_mapping.shape == k.shape[:1], f"slot_mapping must be [{k.shape[0]}], got {slot_mapping.shape}")
     return attn_ops.write_kv_reference(k_pages, v_pages, k, v, slot_mapping)
 
@@ -50,8 +51,8 @@ def paged_attention(q, k_pages, v_pages, block_table, kv_len, q_pos, *, sm_scale
     _check(q.ndim == 4, f"q must be [N, L, Hq, D], got {q.shape}")
     n, length, hq, d = q.shape
     _check(k_pages.ndim == 4 and k_pages.shape == v_pages.shape and k_pages.shape[3] == d,
-           f"pages must be [blocks, block_size, Hkv, {d}], got {k_pages.shape} and {v_pages.shape}")
-    _check_heads(hq, k_pages.shape[2], "paged_attention")
+           f"pages must be [Hkv, blocks, block_size, {d}], got {k_pages.shape} and {v_pages.shape}")
+    _check_heads(hq, k_pages.shape[0], "paged_attention")
     _check(block_table.ndim == 2 and block_table.shape[0] == n, f"block_table must be [{n}, MB], got {block_table.shape}")
     _check(kv_len.shape == (n,), f"kv_len must be [{n}], got {kv_len.shape}")
     _check(q_pos.shape == (n, length), f"q_pos must be [{n}, {length}], got {q_pos.shape}")

@@ -159,7 +159,15 @@ def chunk_gated_delta_rule_reference(q, k, v, g, beta, length, state, read_row, 
         pool = _put_row(_put_row(pool, s_out, live[i]), s_out, capture_row[i])
         return s_out, pool, jax.lax.dynamic_update_index_in_dim(out, o, i, 0)
 
-    _, state, o = jax.lax.fori_loop(0, n, group, (jnp.zeros((hv, dk, v.shape[-1]), f32), state, u), unroll=2)
+    # The loop stops after the last group with tokens: a bucket's trailing padding groups would only rewrite row 0
+    # (a 1024-token step with 9 of 40 groups padding: 80 -> 72 ms a layer). Two groups per iteration when N is even
+    # (a padding group run inside the last pair is harmless: zero length, no rows to write).
+    used = jnp.max(jnp.where(length > 0, jnp.arange(1, n + 1), 0))
+    carry = (jnp.zeros((hv, dk, v.shape[-1]), f32), state, u)
+    if n % 2 == 0:
+        _, state, o = jax.lax.fori_loop(0, (used + 1) // 2, lambda j, c: group(2 * j + 1, group(2 * j, c)), carry)
+    else:
+        _, state, o = jax.lax.fori_loop(0, used, group, carry)
     o = jnp.where(valid[:, None, :, None], o, 0.0)
     return jnp.swapaxes(o, 1, 2), state
 

@@ -12,7 +12,8 @@ Kernel design:
   split so the grid still fills the GPU. Each split writes its unnormalised (acc, m, l); XLA merges them by
   rescaling to the common max. Prefill-sized calls get one split.
 - Paging. The block table and kv_len are ordinary inputs indexed inside the kernel (Triton has no scalar
-  prefetch); the page pools are one whole-array block and each step reads k/v[page, :, h, :] [bs, D].
+  prefetch); the head-major page pools [Hkv, blocks, bs, D] are one whole-array block and each step reads the
+  contiguous tile k/v[h, page] [bs, D].
 - Numerics. q k^T and p v are 2-D dots accumulating in float32 (ieee for f32 inputs; p is cast to the page dtype
   for the bf16 tensor-core path). Masked scores are dropped with `where` after the exp, so fully masked rows
   (padding, q_pos < 0) and empty splits keep l = 0; rows with l = 0 return 0.
@@ -60,8 +61,8 @@ def _kernel(bt_ref, kv_len_ref, pos_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_
     def body(b, carry):
         m, l, acc = carry
         page = bt_ref[n, b]
-        k = k_ref[page, :, h, :].astype(q.dtype)                                   # [bs, D]
-        v = v_ref[page, :, h, :].astype(q.dtype)
+        k = k_ref[h, page].astype(q.dtype)                                         # [bs, D]
+        v = v_ref[h, page].astype(q.dtype)
         s = _dot(q, k, ((1,), (1,))) * sm_scale                                    # [BM, bs]
         key = b * block_size + jax.lax.broadcasted_iota(jnp.int32, (block_m, block_size), 1)
         visible = (key < kv_len) & (key <= pos[:, None])
@@ -95,10 +96,10 @@ def _check(cond, message):
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "interpret"))
 def paged_attention(q, k_pages, v_pages, block_table, kv_len, q_pos, *, sm_scale, interpret=False):
-    """q: [N, L, Hq, D]; pages: [blocks, bs, Hkv, D]; block_table: [N, MB]; kv_len: [N]; q_pos: [N, L].
+    """q: [N, L, Hq, D]; pages: [Hkv, blocks, bs, D]; block_table: [N, MB]; kv_len: [N]; q_pos: [N, L].
     Returns [N, L, Hq, D] float32."""
     n, length, hq, d = q.shape
-    _, block_size, hkv, _ = k_pages.shape
+    hkv, _, block_size, _ = k_pages.shape
     _check(d >= 16 and d == _next_pow2(d), f"paged_attention kernel: head_dim must be a power of two >= 16, got {d}")
     _check(block_size >= 16 and block_size == _next_pow2(block_size),
            f"paged_attention kernel: block_size must be a power of two >= 16, got {block_size}")

@@ -80,8 +80,8 @@ def attention_batch(key, num_seqs, kv_len, group_len, hq, hkv, d, block_size, dt
     num_blocks = num_seqs * mb + 1
     table = (jax.random.permutation(kp, num_blocks - 1)[:num_seqs * mb] + 1).reshape(num_seqs, mb).astype(jnp.int32)
     q = jax.random.normal(kq, (num_seqs, group_len, hq, d)).astype(dtype)
-    k_pages = jax.random.normal(kk, (num_blocks, block_size, hkv, d)).astype(dtype)
-    v_pages = jax.random.normal(kv, (num_blocks, block_size, hkv, d)).astype(dtype)
+    k_pages = jax.random.normal(kk, (hkv, num_blocks, block_size, d)).astype(dtype)
+    v_pages = jax.random.normal(kv, (hkv, num_blocks, block_size, d)).astype(dtype)
     kv_lens = jnp.full((num_seqs,), kv_len, jnp.int32)
     q_pos = jnp.broadcast_to(kv_len - group_len + jnp.arange(group_len, dtype=jnp.int32), (num_seqs, group_len))
     return q, k_pages, v_pages, table, kv_lens, q_pos
@@ -90,9 +90,9 @@ def attention_batch(key, num_seqs, kv_len, group_len, hq, hkv, d, block_size, dt
 def dense_gathered_attention(q, k_pages, v_pages, block_table, kv_len, q_pos, *, sm_scale):
     """Gather each group's whole KV [N, MB*bs, Hkv, D] and run one masked softmax (the O(N * max_len) baseline)."""
     n, length, hq, d = q.shape
-    hkv = k_pages.shape[2]
-    k = k_pages[block_table].reshape(n, -1, hkv, d).astype(jnp.float32)
-    v = v_pages[block_table].reshape(n, -1, hkv, d).astype(jnp.float32)
+    hkv = k_pages.shape[0]
+    k = jnp.moveaxis(k_pages[:, block_table], 0, 3).reshape(n, -1, hkv, d).astype(jnp.float32)
+    v = jnp.moveaxis(v_pages[:, block_table], 0, 3).reshape(n, -1, hkv, d).astype(jnp.float32)
     qg = q.astype(jnp.float32).reshape(n, length, hkv, hq // hkv, d) * sm_scale
     s = jnp.einsum("nlhgd,nkhd->nlhgk", qg, k)
     key_pos = jnp.arange(k.shape[1])

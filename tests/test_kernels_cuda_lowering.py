@@ -36,7 +36,7 @@ def _assert_triton(text):
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("q_dtype", [BF16, F32])
 def test_paged_attention_lowers_to_triton(length, block_size, q_dtype):
-    pages = S((4096 // block_size + 1, block_size, HKV, D), BF16)
+    pages = S((HKV, 4096 // block_size + 1, block_size, D), BF16)
     text = _lower_for_cuda(
         lambda q, kp, vp, bt, kv, pos: ops.paged_attention(q, kp, vp, bt, kv, pos, sm_scale=D ** -0.5,
                                                            implementation="pallas"),

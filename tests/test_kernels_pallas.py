@@ -115,7 +115,7 @@ def test_paged_attention_kernel(case, hq, hkv, d, block_size, dtype):
 
 def test_kernels_reject_shapes_triton_cannot_tile():
     q = jnp.zeros((1, 1, 2, 48))
-    pages = jnp.zeros((2, 16, 2, 48))
+    pages = jnp.zeros((2, 2, 16, 48))
     table, lens = jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32)
     with pytest.raises(ValueError, match="head_dim must be a power of two"):
         ops.paged_attention(q, pages, pages, table, lens, lens[:, None], sm_scale=1.0, interpret=True)

@@ -210,6 +210,34 @@ def test_chunked_gated_delta_rule_reference_matches_token_scan(seed, seg_lens, c
     np.testing.assert_allclose(np.asarray(new_pool)[1:], want_pool[1:], rtol=1e-4, atol=1e-4)
 
 
+def with_trailing_padding(layout, count):
+    """The layout with `count` padding groups appended (a bucket's unused groups come last)."""
+    def pad(a, value):
+        return np.concatenate([a, np.full((count,) + a.shape[1:], value, a.dtype)])
+
+    return dataclasses.replace(
+        layout, token_index=pad(layout.token_index, -1), length=pad(layout.length, 0),
+        read_row=pad(layout.read_row, -1), write_row=pad(layout.write_row, 0),
+        capture_row=pad(layout.capture_row, 0), is_first=pad(layout.is_first, True),
+        is_last=pad(layout.is_last, True))
+
+
+@pytest.mark.parametrize("trailing", [1, 2, 5])
+def test_chunked_gated_delta_rule_stops_after_the_last_group_with_tokens(trailing):
+    """The group loop's trip count follows the last group with tokens (taken two groups at a time when N is
+    even): every real group still runs, whatever the parity of N and of the used count."""
+    rng = np.random.default_rng(10 + trailing)
+    layout = with_trailing_padding(random_row_layout(rng, (23, 9, 16), 8, num_pad=1), trailing)
+    q, k, v, g, beta, pool = gdr_inputs(rng, layout.num_tokens, 1, 2, 16, 8, layout.num_rows)
+    want_o, want_pool = gdr_expected(layout, q, k, v, g, beta, pool)
+    groups = [layout.to_groups(x, rng) for x in (q, k, v, g, beta)]
+    o, new_pool = _fresh_jit(gdr.chunk_gated_delta_rule_reference)(*groups, jnp.asarray(layout.length),
+                                                                   jnp.asarray(pool), *layout.rows()[1:])
+    assert_group_outputs(layout, o, want_o, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(new_pool)[1:], want_pool[1:], rtol=1e-4, atol=1e-4)
+    assert not np.any(np.asarray(new_pool)[0]), "row 0 must stay the zero state"
+
+
 @pytest.mark.parametrize("in_place", [False, True], ids=["batched", "row-by-row"])
 def test_recurrent_gated_delta_rule_reference_matches_token_scan(in_place, monkeypatch):
     if in_place:                                      # the path real-size states take (test states are small)
@@ -320,11 +348,11 @@ def dense_attention(q, k_pages, v_pages, layout, sm_scale):
     """Dense masked attention over each group's gathered KV, float64: [N, L, Hq, D]."""
     q, kp, vp = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
     n, length, hq, d = q.shape
-    hkv = kp.shape[2]
+    hkv = kp.shape[0]
     out = np.zeros(q.shape)
     for i in range(n):
-        keys = kp[layout.block_table[i]].reshape(-1, hkv, d)
-        vals = vp[layout.block_table[i]].reshape(-1, hkv, d)
+        keys = kp[:, layout.block_table[i]].reshape(hkv, -1, d).transpose(1, 0, 2)     # [MB*bs, Hkv, D]
+        vals = vp[:, layout.block_table[i]].reshape(hkv, -1, d).transpose(1, 0, 2)
         for l in range(length):
             visible = min(layout.kv_len[i], layout.q_pos[i, l] + 1)
             if visible <= 0:
@@ -340,8 +368,8 @@ def dense_attention(q, k_pages, v_pages, layout, sm_scale):
 def attn_inputs(rng, layout, hq, hkv, d, block_size, dtype=np.float32):
     n, length = layout.q_pos.shape
     q = rng.normal(size=(n, length, hq, d)).astype(dtype)
-    k_pages = rng.normal(size=(layout.num_blocks, block_size, hkv, d)).astype(dtype)
-    v_pages = rng.normal(size=(layout.num_blocks, block_size, hkv, d)).astype(dtype)
+    k_pages = rng.normal(size=(hkv, layout.num_blocks, block_size, d)).astype(dtype)
+    v_pages = rng.normal(size=(hkv, layout.num_blocks, block_size, d)).astype(dtype)
     return q, k_pages, v_pages
 
 
@@ -365,3 +393,20 @@ def test_paged_attention_reference_matches_dense(case, hq, hkv):
     got = reference(jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(layout.block_table),
                     jnp.asarray(layout.kv_len), jnp.asarray(layout.q_pos))
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_write_kv_puts_each_token_at_its_slot_of_every_head():
+    rng = np.random.default_rng(7)
+    hkv, num_blocks, block_size, d = 2, 5, 4, 8
+    k_pages = rng.normal(size=(hkv, num_blocks, block_size, d)).astype(np.float32)
+    v_pages = rng.normal(size=(hkv, num_blocks, block_size, d)).astype(np.float32)
+    slots = np.array([5, 19, 6, 12], np.int32)                    # blocks 1, 4, 1, 3
+    k, v = (rng.normal(size=(len(slots), hkv, d)).astype(np.float32) for _ in range(2))
+    got_k, got_v = jax.jit(attn.write_kv_reference)(jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(k),
+                                                    jnp.asarray(v), jnp.asarray(slots))
+    want_k, want_v = k_pages.copy(), v_pages.copy()
+    for t, s in enumerate(slots):
+        want_k[:, s // block_size, s % block_size] = k[t]
+        want_v[:, s // block_size, s % block_size] = v[t]
+    np.testing.assert_array_equal(np.asarray(got_k), want_k)
+    np.testing.assert_array_equal(np.asarray(got_v), want_v)
