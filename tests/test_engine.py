@@ -174,6 +174,28 @@ def test_abort_frees_the_request(next_path):
     assert llm.engine.cache.num_free_slots == ENGINE["max_num_seqs"]
 
 
+def test_plain_greedy_batches_skip_the_sampler_with_the_same_tokens(next_path, monkeypatch):
+    """Greedy rows without logprobs, penalties or suppressed ids take the step's own argmax; forcing every batch
+    through the sampler gives the same tokens, and the fast path really skips it."""
+    import qnext.engine.runner as runner_module
+    from qnext.engine.sampler import SamplerInputBuilder
+
+    rng = np.random.default_rng(8)
+    batch = [{"prompt_token_ids": ids(rng, n)} for n in (9, 30, 51)]
+    params = [GREEDY, SamplingParams(temperature=0.0, max_tokens=5, min_tokens=3), GREEDY]   # eos held back
+    calls = []
+    sample_rows = runner_module._sample_rows
+    monkeypatch.setattr(runner_module, "_sample_rows", lambda *a, **k: calls.append(1) or sample_rows(*a, **k))
+    llm = qnext.LLM(next_path, **ENGINE)
+    fast = llm.generate(batch, params)
+    fast_calls = len(calls)
+    monkeypatch.setattr(SamplerInputBuilder, "plain_greedy", lambda self, rows: False)
+    slow = llm.generate(batch, params)
+    assert tokens_of(fast) == tokens_of(slow)
+    steps_with_rows = len(calls) - fast_calls
+    assert 0 < fast_calls < steps_with_rows    # min_tokens rows sample while their eos is held back, then not
+
+
 def test_in_place_state_rows_match_batched_rows(next_path, monkeypatch):
     """Real-size state rows (1 MiB) take the decode path that updates rows in place, one (row, head) block at a
     time; the tiny test states take the batched one. With the size threshold at 0 the tiny model runs the in-place
@@ -181,7 +203,7 @@ def test_in_place_state_rows_match_batched_rows(next_path, monkeypatch):
     import jax
 
     import pallas_kernels.gated_delta_rule as gdr
-    from qnext.model.forward import make_step
+    from qnext.engine.runner import make_engine_step
 
     rng = np.random.default_rng(5)
     turns = [[ids(rng, 21), ids(rng, 40)]]
@@ -192,7 +214,7 @@ def test_in_place_state_rows_match_batched_rows(next_path, monkeypatch):
         expected.append(cold.generate(batch, GREEDY_LOGPROBS))
         turns.append([h + o.outputs[0].token_ids + ids(rng, 9) for h, o in zip(turns[-1], expected[-1])])
 
-    make_step.cache_clear()                       # the step is traced again, under the patched threshold
+    make_engine_step.cache_clear()                     # the step is traced again, under the patched threshold
     jax.clear_caches()
     monkeypatch.setattr(gdr, "_IN_PLACE_ROW_BYTES", 0)
     try:
@@ -202,5 +224,5 @@ def test_in_place_state_rows_match_batched_rows(next_path, monkeypatch):
             assert_same(got, expected[turn])
         assert warm.engine.cache.stats.snapshots_restored > 0
     finally:
-        make_step.cache_clear()                   # later tests trace the default path again
+        make_engine_step.cache_clear()                 # later tests trace the default path again
         jax.clear_caches()

@@ -228,3 +228,24 @@ def test_check_stop():
     assert check_stop(p, [1, 1], eos, 100, 100) == ("length", None)  # max_model_len
     assert check_stop(SamplingParams(ignore_eos=True), [EOS], eos, 10, 100) is None
     assert check_stop(SamplingParams(max_tokens=None), [1] * 50, eos, 60, 100) is None
+
+
+def test_plain_greedy_rows_are_those_whose_token_is_the_raw_argmax():
+    """The runner takes such rows' tokens from the step's own argmax and skips the sampler: each case the sampler
+    must see (sampling, logprobs, penalties, ids suppressed by min_tokens) must say no."""
+    builder = SamplerInputBuilder(V, eos_token_ids=[EOS], seed=0)
+    greedy = dict(temperature=0.0)
+    plain = [row(SamplingParams(**greedy), index=0),
+             row(SamplingParams(**greedy, min_tokens=2), output=[1, 1], index=1),         # min_tokens reached
+             row(SamplingParams(**greedy, min_tokens=3, ignore_eos=True), index=2),       # nothing to suppress
+             row(SamplingParams(**greedy, top_k=5, top_p=0.5, min_p=0.1), index=3)]      # filters: no effect
+    assert builder.plain_greedy(plain)
+    logits = random_logits(21, n=len(plain))
+    out = run(logits, plain, builder)
+    np.testing.assert_array_equal(out["token_ids"], logits.argmax(-1))
+    assert not out["logprobs"].any() and (out["ranks"] == 1).all()
+    for params, output in [(SamplingParams(temperature=0.7, seed=1), []),
+                           (SamplingParams(**greedy, logprobs=0), []),
+                           (SamplingParams(**greedy, repetition_penalty=1.2), []),
+                           (SamplingParams(**greedy, min_tokens=2), [1])]:                # eos still suppressed
+        assert not builder.plain_greedy(plain + [row(params, output=output, index=9)])

@@ -245,6 +245,12 @@ class SamplerInputBuilder:
         num_logprobs = logprobs_bucket(max((r.params.logprobs or 0 for r in rows), default=0))
         return tensors, min(num_logprobs, v)
 
+    def plain_greedy(self, rows: Sequence[SamplingRow]) -> bool:
+        """True when every row's token is the argmax of its raw logits: greedy, no logprobs, no penalties and no
+        ids suppressed now (min_tokens). `sample` would return exactly that token, logprob 0 and rank 1."""
+        return all(r.params.greedy and r.params.logprobs is None and not r.params.uses_penalties
+                   and not self._suppressed_ids(r) for r in rows)
+
     def free(self, request_id: str) -> None:
         self.penalties.free(request_id)
         self._key_data.pop(request_id, None)
