@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import json
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
