@@ -35,10 +35,11 @@ def paged_attention_reference(q, k_pages, v_pages, block_table, kv_len, q_pos, *
     """Online softmax over spans of `span_blocks` pages; memory O(N * span) instead of O(N * max_len), and the
     loop stops after the span holding the longest kv_len in the batch, so the cost follows the real context, not
     max_model_len. Every row pays for the whole last span and short spans cost loop steps. By default a decode span
-    (one query per group) is an eighth of the block table, from 4 pages up to 8: its gathered K/V stays in cache
-    (XLA:CPU, 16 decode rows: ~300 tokens in a 30-page table, 30-page spans 8.4 ms, 4-page 6.1 ms; 4096 tokens,
-    32-page spans 197 ms, 8-page 182 ms). A prefill span (C queries per group share each gathered page) is 16
-    pages: 40 groups of 32 queries over ~250 tokens, 4-page spans 67 ms, 16-page 56 ms.
+    (one query per group) is an eighth of the block table, from 4 pages up to 8, so its gathered K/V stays in cache;
+    a prefill span (C queries per group share each gathered page) is 16 pages. XLA:CPU, float32, Hkv=2, D=256:
+    16 decode rows at ~300 tokens of a 30-page table, 4-page spans 4.0 ms, 8-page 4.6, 30-page 6.4; at 4096 tokens
+    4-page 62 ms, 8-page 57, 16-page 81, 32-page 77. Prefill, 40 groups of 32 queries over ~250 tokens: 4-page
+    67 ms, 16-page 56; 4 groups of 64 queries at 4096 tokens: 8-page 136 ms, 16-page 117, 32-page 125, 64-page 138.
 
     q: [N, L, Hq, D]; k_pages, v_pages: [Hkv, blocks, bs, D]; block_table: [N, MB] int32; kv_len: [N];
     q_pos: [N, L]. Returns [N, L, Hq, D] float32.
