@@ -13,8 +13,10 @@ Chunked form (chunk of C rows i, j; S the state entering the chunk; G the inclus
     U = T diag(beta) V,   W = T diag(beta exp(G)) K,   V' = U - W S
     O = diag(exp(G)) Q S + ((Q K^T) * Gamma) V'
     S_next = exp(G_last) S + (diag(exp(G_last - G)) K)^T V'
-The intra-chunk parts (T, W, U, Q K^T * Gamma) are computed for all chunks at once; only the S-dependent
-matmuls run in the sequential loop over chunks (the split of FLA's kernels: intra-chunk, then state passing).
+The C x C parts (T, Q K^T * Gamma) are computed for all chunks at once; the sequential loop over chunks forms each
+chunk's C x d operands (W, U, the decayed q and k) while they are in cache and runs the S-dependent matmuls (the
+split of FLA's kernels, intra-chunk then state passing, except that on CPU forming W and U for every chunk up
+front streamed ~90 MB per layer through memory at 1024 tokens: 69-76 -> ~52 ms a layer, bit-identical).
 
 Rows layout (see docs/CONTRACTS.md): the state pool has R rows [R, Hv, dk, dv]; row 0 is the zero state (writes
 meant for nowhere are dropped or write zeros there). Each group (one chunk of one sequence's segment) reads its
@@ -126,36 +128,36 @@ def chunk_gated_delta_rule_reference(q, k, v, g, beta, length, state, read_row, 
     # Heads first: [N, H, C, d]. Products of q and k are taken per key head, then shared by its r value heads.
     q, k = (jnp.swapaxes(jnp.where(valid[..., None, None], x.astype(f32), 0.0), 1, 2) for x in (q, k))
     kk, qk = (jnp.repeat(_mm_nt(x, k), r, axis=1) for x in (k, q))          # [N, Hv, C, C]
-    q, k = jnp.repeat(q, r, axis=1), jnp.repeat(k, r, axis=1)
     v = jnp.swapaxes(v.astype(f32), 1, 2)
     g = jnp.swapaxes(jnp.where(valid[..., None], g.astype(f32), 0.0), 1, 2)
     beta = jnp.swapaxes(jnp.where(valid[..., None], beta.astype(f32), 0.0), 1, 2)
     big_g = jnp.cumsum(g, axis=-1)                                          # [N, Hv, C]
     causal = jnp.tril(jnp.ones((c, c), bool))
     gamma = jnp.exp(jnp.where(causal, big_g[..., :, None] - big_g[..., None, :], -jnp.inf))  # incl. diagonal
-
     strict = jnp.tril(jnp.ones((c, c), bool), -1)
     lower = jnp.where(strict, beta[..., :, None] * kk * gamma, 0.0)
     t_mat = _unit_lower_inverse(lower)
-    w = _mm(t_mat, (beta * jnp.exp(big_g))[..., None] * k)
-    u = _mm(t_mat, beta[..., None] * v)
     qk = qk * gamma
-    q_decayed = jnp.exp(big_g)[..., None] * q
     g_last = big_g[..., -1]                                                 # padded rows have g = 0
-    kd = jnp.exp(g_last[..., None] - big_g)[..., None] * k                  # [N, Hv, C, dk]
     live = jnp.where(is_last & (write_row > 0), write_row, 0)     # end state -> live row (last group only)
     read = jnp.maximum(read_row, 0)                               # row 0 is the zero state
 
-    # Sequential over groups; a group's output replaces its U row in place (no zero-filled output buffer) and its
-    # end state goes straight into the pool rows it is written to (no stack of every group's state).
+    # Sequential over groups. A group's V block is read, then replaced in place by its output (no zero-filled output
+    # buffer), and its end state goes straight into the pool rows it is written to (no stack of every group's
+    # state). Its C x d operands are formed here, per group, while they are in cache.
     def group(i, carry):
         prev, pool, out = carry
         init = jax.lax.dynamic_index_in_dim(pool, read[i], keepdims=False).astype(f32)
         s_in = jnp.where(is_first[i], init, prev)
-        v_new = out[i] - _mm(w[i], s_in)                                    # V' = U - W S
-        o = _mm(q_decayed[i], s_in) + _mm(qk[i], v_new)                     # e^G Q S + (QK^T * Gamma) V'
+        kr, qr = jnp.repeat(k[i], r, axis=0), jnp.repeat(q[i], r, axis=0)     # [Hv, C, dk]
+        eg = jnp.exp(big_g[i])[..., None]                                   # e^G [Hv, C, 1]
+        w = _mm(t_mat[i], (beta[i][..., None] * eg) * kr)                   # W = T diag(beta e^G) K
+        u = _mm(t_mat[i], beta[i][..., None] * out[i])                      # U = T diag(beta) V
+        v_new = u - _mm(w, s_in)                                            # V' = U - W S
+        o = _mm(eg * qr, s_in) + _mm(qk[i], v_new)                          # e^G Q S + (QK^T * Gamma) V'
+        kd = jnp.exp(g_last[i][:, None] - big_g[i])[..., None] * kr         # diag(e^(G_last - G)) K
         s_out = jnp.exp(g_last[i])[:, None, None] * s_in + jnp.einsum(      # e^G_last S + Kd^T V'
-            "hck,hcv->hkv", kd[i], v_new, precision=_HIGHEST)
+            "hck,hcv->hkv", kd, v_new, precision=_HIGHEST)
         pool = _put_row(_put_row(pool, s_out, live[i]), s_out, capture_row[i])
         return s_out, pool, jax.lax.dynamic_update_index_in_dim(out, o, i, 0)
 
@@ -163,7 +165,7 @@ def chunk_gated_delta_rule_reference(q, k, v, g, beta, length, state, read_row, 
     # (a 1024-token step with 9 of 40 groups padding: 80 -> 72 ms a layer). Two groups per iteration when N is even
     # (a padding group run inside the last pair is harmless: zero length, no rows to write).
     used = jnp.max(jnp.where(length > 0, jnp.arange(1, n + 1), 0))
-    carry = (jnp.zeros((hv, dk, v.shape[-1]), f32), state, u)
+    carry = (jnp.zeros((hv, dk, v.shape[-1]), f32), state, v)
     if n % 2 == 0:
         _, state, o = jax.lax.fori_loop(0, (used + 1) // 2, lambda j, c: group(2 * j + 1, group(2 * j, c)), carry)
     else:
