@@ -63,7 +63,7 @@ def parse_args(argv=None):
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--input-len", default="64:256", help="prompt lengths, uniform in [lo, hi]")
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=2,
+    ap.add_argument("--repeats", type=int, default=3,
                     help="timed passes of each engine, alternating, where transformers runs too; each engine's "
                          "fastest pass is reported (the machine's load varies run to run)")
     ap.add_argument("--chat-models", default=None, help="presets for the chat workload (default: --models)")
