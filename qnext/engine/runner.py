@@ -121,8 +121,11 @@ class ModelRunner:
 
     def bucket_for(self, segments: list[Segment]) -> Bucket | None:
         """The cheapest compiled shape that holds the segments (families are ordered decode, prefill, mixed)."""
+        need = {}                                   # required sizes per chunk length: buckets share a few
         for b in self.buckets:
-            if b.sizes.fits(required_sizes(segments, b.chunk)):
+            if b.chunk not in need:
+                need[b.chunk] = required_sizes(segments, b.chunk)
+            if b.sizes.fits(need[b.chunk]):
                 return b
         return None
 
