@@ -200,7 +200,11 @@ def _fresh_jit(fn):
 ])
 def test_chunked_gated_delta_rule_reference_matches_token_scan(seed, seg_lens, c, hk, hv):
     rng = np.random.default_rng(seed)
-    layout = random_row_layout(rng, seg_lens, c, num_pad=2)
+    check_chunked_against_token_scan(rng, random_row_layout(rng, seg_lens, c, num_pad=2), hk, hv)
+
+
+def check_chunked_against_token_scan(rng, layout, hk, hv):
+    """The chunked reference over `layout` equals the per-sequence token scan; returns the new pool."""
     q, k, v, g, beta, pool = gdr_inputs(rng, layout.num_tokens, hk, hv, 16, 8, layout.num_rows)
     want_o, want_pool = gdr_expected(layout, q, k, v, g, beta, pool)
     groups = [layout.to_groups(x, rng) for x in (q, k, v, g, beta)]
@@ -208,6 +212,7 @@ def test_chunked_gated_delta_rule_reference_matches_token_scan(seed, seg_lens, c
                                                                    jnp.asarray(pool), *layout.rows()[1:])
     assert_group_outputs(layout, o, want_o, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(new_pool)[1:], want_pool[1:], rtol=1e-4, atol=1e-4)
+    return np.asarray(new_pool)
 
 
 def with_trailing_padding(layout, count):
@@ -228,14 +233,8 @@ def test_chunked_gated_delta_rule_stops_after_the_last_group_with_tokens(trailin
     even): every real group still runs, whatever the parity of N and of the used count."""
     rng = np.random.default_rng(10 + trailing)
     layout = with_trailing_padding(random_row_layout(rng, (23, 9, 16), 8, num_pad=1), trailing)
-    q, k, v, g, beta, pool = gdr_inputs(rng, layout.num_tokens, 1, 2, 16, 8, layout.num_rows)
-    want_o, want_pool = gdr_expected(layout, q, k, v, g, beta, pool)
-    groups = [layout.to_groups(x, rng) for x in (q, k, v, g, beta)]
-    o, new_pool = _fresh_jit(gdr.chunk_gated_delta_rule_reference)(*groups, jnp.asarray(layout.length),
-                                                                   jnp.asarray(pool), *layout.rows()[1:])
-    assert_group_outputs(layout, o, want_o, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(np.asarray(new_pool)[1:], want_pool[1:], rtol=1e-4, atol=1e-4)
-    assert not np.any(np.asarray(new_pool)[0]), "row 0 must stay the zero state"
+    new_pool = check_chunked_against_token_scan(rng, layout, 1, 2)
+    assert not np.any(new_pool[0]), "row 0 must stay the zero state"
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["batched", "row-by-row"])
