@@ -200,14 +200,13 @@ def build_step_inputs(segments: Sequence[Segment], sizes: LayoutSizes, *, block_
         n_logits += len(wanted)
         flat += n
     if decode_segs:
-        decode.add_decode_rows(np.asarray(decode_flat), decode_segs)
-        rows = np.arange(len(decode_segs))
+        idx, rows = np.asarray(decode_flat), np.arange(len(decode_segs))   # flat token of decode row i
+        decode.add_decode_rows(idx, decode_segs)
         pos = decode.kv_len[rows] - 1
-        token_ids[decode.token_index[rows, 0]] = [seg.token_ids[0] for seg in decode_segs]
-        positions[decode.token_index[rows, 0]] = pos
-        slot_mapping[decode.token_index[rows, 0]] = (decode.block_table[rows, pos // block_size] * block_size
-                                                     + pos % block_size)
-        token_source[decode.token_index[rows, 0]] = rows
+        token_ids[idx] = [seg.token_ids[0] for seg in decode_segs]
+        positions[idx] = pos
+        slot_mapping[idx] = decode.block_table[rows, pos // block_size] * block_size + pos % block_size
+        token_source[idx] = rows
 
     # Host numpy leaves: the jitted step's C++ dispatch transfers them (~3x cheaper than a device_put here).
     return StepInputs(
