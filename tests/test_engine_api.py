@@ -92,3 +92,17 @@ def test_logprobs_and_seeds(llm):
         assert ranks[:3] == [1, 2, 3]
         assert all(lp.logprob <= 0 for lp in entry.values())
     assert a.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(a.token_ids, a.logprobs)))
+
+
+def test_prefill_and_mixed_steps_pad_to_halfway_sizes(tiny_checkpoint):
+    """A step of 40 tokens pads to the 48-token shape whether or not decode rows ride along (not to 64)."""
+    from qnext.model.step_inputs import Segment
+
+    engine = qnext.LLM(tiny_checkpoint("qwen3_5"), **dict(ENGINE, max_num_batched_tokens=64)).engine
+    decode_rows = [Segment([7], 20, [1, 2], i + 1, i + 1) for i in range(2)]
+    prompt_tail = [Segment([7] * 38, 0, [3, 4, 5], -1, 3)]
+    for segments in (prompt_tail, decode_rows + prompt_tail):
+        sizes = engine.runner.bucket_for(segments).sizes
+        assert sizes.num_tokens == 48
+        assert (sizes.num_decode > 0) == (len(segments) == 3)      # the mixed family only when decode rows come
+    assert engine.runner.bucket_for(decode_rows).sizes.num_tokens == 2      # decode-only: rows, not tokens
