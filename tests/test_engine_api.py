@@ -106,3 +106,22 @@ def test_prefill_and_mixed_steps_pad_to_halfway_sizes(tiny_checkpoint):
         assert sizes.num_tokens == 48
         assert (sizes.num_decode > 0) == (len(segments) == 3)      # the mixed family only when decode rows come
     assert engine.runner.bucket_for(decode_rows).sizes.num_tokens == 2      # decode-only: rows, not tokens
+
+
+def test_engine_freezes_start_up_heap_and_is_freed_without_the_cyclic_gc(tiny_checkpoint):
+    """The engine moves the start-up heap out of the cyclic GC's reach (per-step collections stay cheap); that is
+    only safe because a dropped engine is freed by reference counting alone: no cycle keeps its buffers alive."""
+    import gc
+    import weakref
+
+    gc.unfreeze()
+    llm = qnext.LLM(tiny_checkpoint("qwen3_5"), **ENGINE)
+    assert gc.get_freeze_count() > 0
+    llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0.0, max_tokens=3))
+    engine, runner, buffers = (weakref.ref(x) for x in (llm.engine, llm.engine.runner, llm.engine.runner.buffers))
+    gc.disable()
+    try:
+        del llm
+        assert engine() is None and runner() is None and buffers() is None
+    finally:
+        gc.enable()
