@@ -53,7 +53,7 @@ def test_block_aligned_fully_cached_prompt_still_computes_its_last_block():
 
 def test_prompt_end_snapshot_sits_at_the_last_boundary_before_the_last_token():
     m = make()
-    adm = m.admit("a", list(range(10)))
+    assert m.admit("a", list(range(10))).num_cached_tokens == 0
     assert m.capture_positions("a") == [8]
     m.free("a", list(range(10)), 0, finished=False)
     m.admit("b", list(range(12)))
