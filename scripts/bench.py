@@ -24,6 +24,7 @@ spell of a shared machine does not decide the ratio.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import functools
 import json
@@ -344,12 +345,19 @@ def run_hf(model, prompts: list[list[int]], output_len: int, pad_id: int) -> dic
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
+    # qnext's requests use ignore_eos: an EOS neither stops a request nor is suppressed. generate does the same when
+    # its EOS id is one no step can produce (min_new_tokens would instead mask every EOS id, and the two engines'
+    # greedy outputs would part wherever an EOS was the argmax; None falls back to the model's EOS ids).
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = model.config.get_text_config().vocab_size
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=output_len,
-                             min_new_tokens=output_len, pad_token_id=pad_id,
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, do_sample=False,
+                             max_new_tokens=output_len, pad_token_id=pad_id,
                              logits_processor=LogitsProcessorList([Stamp()]))
     total = time.perf_counter() - t0
+    if out.shape[1] - width != output_len:
+        raise RuntimeError(f"transformers generated {out.shape[1] - width} tokens, not {output_len}")
     ttft = stamps[0] - t0
     return {"seconds": total, "output_tokens_per_s": len(prompts) * output_len / total,
             "ttft_s": [ttft] * len(prompts), "tpot_s": [(total - ttft) / (output_len - 1)] * len(prompts),

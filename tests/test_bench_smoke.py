@@ -43,3 +43,29 @@ def test_bench_quick_writes_json_and_plot(tmp_path):
     assert first["reused_tokens"] == 0 and second["reused_tokens"] > 0
     assert second["same_output"] == 1.0, "prefix caching changed the greedy output"
     assert {"ttft_on_s", "ttft_off_s", "ttft_ratio", "lost_to_missing_state_tokens"} <= second.keys()
+
+
+def test_bench_transformers_driver_matches_qnext_token_for_token(tmp_path):
+    """The bench's transformers run follows ignore_eos as qnext does (EOS neither stops nor is masked) and makes
+    exactly output_len tokens, so its greedy outputs can be compared with qnext's: on the bench's own tiny batch-1
+    prompt, where the argmax is an EOS id at token 46, both engines agree on all 64 tokens."""
+    import importlib.util
+
+    import numpy as np
+    import pytest
+
+    pytest.importorskip("transformers")
+    import qnext
+    from qnext import SamplingParams
+    from qnext.testing.bench_configs import bench_checkpoint
+
+    spec = importlib.util.spec_from_file_location("qnext_bench", ROOT / "scripts" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    path = bench_checkpoint("tiny", tmp_path)
+    prompts = bench.random_prompts(np.random.default_rng(0), 1, (64, 256), 512)     # the bench's batch-1 draw
+    hf = bench.run_hf(bench.load_hf(path, "float32", 2), prompts, 64, pad_id=0)["tokens"]
+    llm = qnext.LLM(path, max_num_seqs=2, max_num_batched_tokens=256, max_model_len=384)
+    out = llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+    assert len(hf[0]) == 64
+    assert out[0].outputs[0].token_ids == hf[0]
