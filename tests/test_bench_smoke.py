@@ -66,6 +66,7 @@ def test_bench_transformers_driver_matches_qnext_token_for_token(tmp_path):
     prompts = bench.random_prompts(np.random.default_rng(0), 1, (64, 256), 512)     # the bench's batch-1 draw
     hf = bench.run_hf(bench.load_hf(path, "float32", 2), prompts, 64, pad_id=0)["tokens"]
     llm = qnext.LLM(path, max_num_seqs=2, max_num_batched_tokens=256, max_model_len=384)
-    out = llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+    greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": prompts[0]}, greedy)
     assert len(hf[0]) == 64
     assert out[0].outputs[0].token_ids == hf[0]

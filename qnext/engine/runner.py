@@ -1,10 +1,10 @@
 """Model runner: lays a schedule out as StepInputs padded to a fixed set of shape buckets, runs the jitted step
 with the cache buffers donated, and samples on device.
 
-Buckets (docs/engine.md): decode-only steps use D rows for D in powers of two from 2 up to max_num_seqs; steps
-with a prefill use T tokens (powers of two from 16 up to max_num_batched_tokens, and 1.5x powers of two from 48) and ceil(T / C) + extra prefill groups (C = min(prefill_chunk, T) rounded down to a
-power of two), either prefill-only or mixed with decode rows. Warm-up compiles every bucket, after
-which a workload triggers no compilation.
+Buckets (docs/engine.md): decode-only steps use D rows for D in powers of two from 2 up to max_num_seqs; steps with
+a prefill use T tokens (powers of two from 16 up to max_num_batched_tokens, and 1.5x powers of two from 48) and
+ceil(T / C) + extra prefill groups (C = min(prefill_chunk, T) rounded down to a power of two), either prefill-only
+or mixed with decode rows. Warm-up compiles every bucket, after which a workload triggers no compilation.
 """
 from __future__ import annotations
 
