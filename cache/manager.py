@@ -162,15 +162,23 @@ class CacheManager:
         return row
 
     def decode_capture_row(self, seq_id, position: int) -> int | None:
+        """The decode tracking row, now holding (or about to hold) the state after `position` tokens."""
         seq = self._seq(seq_id)
         if position % self.config.block_size or position <= 0:
             raise ValueError(f"decode capture position {position} must be a positive multiple of "
                              f"{self.config.block_size}")
+        if self.decode_tracking_row(seq_id) is not None:
+            seq.decode_position = position
+        return seq.decode_row
+
+    def decode_tracking_row(self, seq_id) -> int | None:
+        """The row a decoding sequence's block-boundary states go to (reserved on first use), without moving its
+        recorded position: a multi-step call writes it only in the step that reaches a boundary, which the host
+        learns afterwards, and then records with `decode_capture_row`."""
+        seq = self._seq(seq_id)
         if seq.decode_row is None and self.uses_snapshots:
             seq.decode_row = self.snapshots.reserve()
             self._track_peaks()
-        if seq.decode_row is not None:
-            seq.decode_position = position
         return seq.decode_row
 
     def append_slots(self, seq_id, num_tokens: int) -> bool:

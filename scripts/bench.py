@@ -74,6 +74,8 @@ def parse_args(argv=None):
     ap.add_argument("--message", type=int, default=64, help="tokens of each later user message")
     ap.add_argument("--reply", type=int, default=4, help="tokens generated per turn")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (XLA uses the visible cores)")
+    ap.add_argument("--num-scheduler-steps", type=int, default=8,
+                    help="qnext's greedy decode steps per jitted call (the engine option; 1: one step a call)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default=str(ROOT / "bench_out"), help="checkpoints and the compilation cache")
     ap.add_argument("--json-out", default=None)
@@ -216,17 +218,30 @@ class StepProfile:
             return items
         engine.scheduler.schedule = self._timed(scheduled, "schedule")
         self._wrap(runner, "execute", "execute")
+        execute_multi = runner.execute_multi
+
+        def multi(*a, **kw):               # several decode steps in one call: `steps` is how many ran
+            tokens, ran = execute_multi(*a, **kw)
+            if self._cur is not None:
+                self._cur["steps"] = int(ran.max())
+            return tokens, ran
+        runner.execute_multi = self._timed(multi, "execute")
         self._wrap(runner.sampler_inputs, "build", "sampler_inputs")
         step = runner._step
         runner._step = self._timed(lambda *a: jax.block_until_ready(step(*a)), "jit_step")
-        self._step_fn = step
+        self._step_fn, self._multi_fn = step, runner._multi_step
+        if runner._multi_step is not None:
+            runner._multi_step = self._timed(lambda *a: jax.block_until_ready(self._multi_fn(*a)), "jit_step")
         build = runner_module.build_step_inputs
         self._module, self._build = runner_module, build
         runner_module.build_step_inputs = self._timed(build, "build_inputs")
 
     def close(self):
         self._module.build_step_inputs = self._build
-        self.engine.runner._step = self._step_fn
+        self.engine.runner._step, self.engine.runner._multi_step = self._step_fn, self._multi_fn
+        for obj, name in ((self.engine.runner, "execute"), (self.engine.runner, "execute_multi"),
+                          (self.engine.runner.sampler_inputs, "build"), (self.engine.scheduler, "schedule")):
+            obj.__dict__.pop(name, None)           # the class's method again
 
     def _timed(self, fn, part):
         def wrapper(*a, **kw):
@@ -255,7 +270,8 @@ class StepProfile:
 
 
 def step_compilations(engine) -> int:
-    return engine.runner._step._cache_size()
+    multi = engine.runner._multi_step
+    return engine.runner._step._cache_size() + (multi._cache_size() if multi is not None else 0)
 
 
 def run_qnext(engine, prompts: list[list[int]], output_len: int, tag: str) -> dict:
@@ -302,14 +318,16 @@ def run_qnext(engine, prompts: list[list[int]], output_len: int, tag: str) -> di
 
 
 def host_summary(steps: list[dict], decode_rows: int | None = None) -> dict:
-    """Per-step means; with decode_rows, only the decode-only steps of exactly that many sequences."""
+    """Means per model step (an engine step that ran several decode steps in one call counts as that many);
+    with decode_rows, only the decode-only steps of exactly that many sequences."""
     if decode_rows is not None:
         steps = [s for s in steps if s.get("rows") == decode_rows and s.get("tokens") == decode_rows]
     if not steps:
         return {}
-    mean = {k: float(np.mean([s[k] for s in steps])) for k in StepProfile.PARTS + ("step", "engine_device")}
+    count = sum(s.get("steps", 1) for s in steps)
+    mean = {k: float(sum(s[k] for s in steps) / count) for k in StepProfile.PARTS + ("step", "engine_device")}
     host = mean["step"] - mean["jit_step"]
-    return {"num_steps": len(steps), **{f"{k}_s": v for k, v in mean.items()},
+    return {"num_steps": count, **{f"{k}_s": v for k, v in mean.items()},
             "host_s": host, "host_fraction": host / mean["step"],
             "engine_host_overhead": 1 - mean["engine_device"] / mean["step"],
             "sample_and_transfer_s": mean["execute"] - mean["build_inputs"] - mean["jit_step"]
@@ -383,6 +401,7 @@ def engine_options(args, batches: list[int], budget: int, enable_prefix_caching:
     seqs = max(batches + [1])
     return dict(max_num_seqs=seqs, max_num_batched_tokens=max(budget, seqs), max_model_len=max_len, block_size=16,
                 dtype=args.dtype, seed=args.seed, max_num_snapshots=2 * seqs,
+                num_scheduler_steps=args.num_scheduler_steps,
                 enable_prefix_caching=enable_prefix_caching)
 
 

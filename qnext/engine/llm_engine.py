@@ -154,6 +154,12 @@ class LLMEngine:
                                    "the KV cache or state slots are too small")
             return []
         device_before = self.runner.step_time
+        if self.runner.multi_step_ok(items):
+            outputs = self._multi_step(items)
+            self.stats.num_steps += 1
+            self.stats.device_seconds += self.runner.step_time - device_before
+            self.stats.step_seconds += time.perf_counter() - t0
+            return outputs
         sampled = self.runner.execute(items)
         outputs = []
         for it in items:
@@ -168,6 +174,46 @@ class LLMEngine:
         self.stats.num_steps += 1
         self.stats.device_seconds += self.runner.step_time - device_before
         self.stats.step_seconds += time.perf_counter() - t0
+        return outputs
+
+    def _multi_step(self, items) -> list[RequestOutput]:
+        """Several greedy decode steps in one call (num_scheduler_steps; see multi_step.py). Each row runs at most
+        what its max_tokens and max_model_len leave and what its KV blocks hold (extended here when the cache has
+        blocks free, never by preempting); the device stops a row after an EOS / stop token id as check_stop
+        does, and the host replays every token through the same bookkeeping as single steps."""
+        k_max, bs, cache = self.config.num_scheduler_steps, self.config.block_size, self.cache
+        eos = list(self.model_config.eos_token_ids)
+        steps, captures, boundaries, stop_ids, stop_from = [], [], [], [], []
+        for it in items:
+            seq, p = it.seq, it.seq.params
+            rid, start, produced = seq.request_id, it.start, len(seq.output_token_ids)
+            n = min(k_max, self.max_model_len - seq.num_tokens)
+            if p.max_tokens is not None:
+                n = min(n, p.max_tokens - produced)
+            if not cache.append_slots(rid, start + n):           # blocks for the extra tokens, if free
+                n = max(1, min(n, len(cache.block_table(rid)) * bs - start))
+            ends = [e for e in range(start + 1, start + n + 1) if e % bs == 0]   # block boundaries computed
+            row = cache.decode_tracking_row(rid) if ends and cache.uses_snapshots else None
+            steps.append(n)
+            boundaries.append(ends if row is not None else [])
+            captures.append({e - start - 1: row for e in ends} if row is not None else {})
+            stop_ids.append(([] if p.ignore_eos else eos) + list(p.stop_token_ids))
+            stop_from.append(max(0, p.min_tokens - produced - 1))
+        tokens, ran = self.runner.execute_multi(items, steps, captures, stop_ids, stop_from)
+        outputs = []
+        for i, it in enumerate(items):
+            seq, start = it.seq, it.start
+            reached = [e for e in boundaries[i] if e <= start + ran[i]]
+            if reached:                          # the tracking row now holds the state after this many tokens
+                self.cache.decode_capture_row(seq.request_id, reached[-1])
+            for k in range(int(ran[i])):
+                seq.num_computed_tokens = start + k + 1
+                seq.read_row = seq.state_row
+                self.cache.commit(seq.request_id, seq.token_ids, seq.num_computed_tokens)
+                self._append(seq, SampledToken(int(tokens[k, i]), 0.0, 1, None, None))
+                if seq.is_finished:
+                    break
+            outputs.append(self._output(seq))
         return outputs
 
     def _append(self, seq: Sequence, token: SampledToken) -> None:

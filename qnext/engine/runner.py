@@ -19,6 +19,7 @@ from cache import CacheManager
 from cache.device_buffers import CacheBuffers
 from qnext.config import ModelConfig
 from qnext.engine.config import EngineConfig
+from qnext.engine.multi_step import MultiStepInputs, make_multi_step
 from qnext.engine.sampler import SamplerInputBuilder, SamplingRow, first_argmax, sample
 from qnext.engine.scheduler import ScheduledSequence
 from qnext.model.forward import forward
@@ -83,6 +84,8 @@ class ModelRunner:
         self.cache = cache
         self.max_blocks = -(-max_model_len // config.block_size)
         self._step = make_engine_step(cfg)
+        self._multi_step = (make_multi_step(cfg, config.num_scheduler_steps, config.block_size)
+                            if config.num_scheduler_steps > 1 else None)
         self.sampler_inputs = SamplerInputBuilder(cfg.vocab_size, cfg.eos_token_ids, seed=config.seed)
         # Decode-only buckets start at 2 rows: with a single row XLA turns the row scatters into dynamic updates
         # and copies every donated cache buffer (~10x slower per step).
@@ -172,6 +175,51 @@ class ModelRunner:
                 result.top_ids[j] if num_logprobs else None, result.top_logprobs[j] if num_logprobs else None)
         return out
 
+    def multi_step_ok(self, items: list[ScheduledSequence]) -> bool:
+        """Whether the step may run as several greedy decode steps in one call: every item decodes and samples
+        the argmax of its raw logits (no logprobs, penalties or suppressed ids), its prompt is computed (no prompt
+        capture pending), and no request has stop strings (the detokenizer's, which the device cannot check)."""
+        if self.config.num_scheduler_steps < 2 or not items:
+            return False
+        if not all(it.num_tokens == 1 and it.samples and it.start >= len(it.seq.prompt_token_ids)
+                   and not it.seq.params.stop for it in items):
+            return False
+        return self.sampler_inputs.plain_greedy([SamplingRow(it.seq.request_id, it.seq.params,
+                                                             it.seq.prompt_token_ids, it.seq.output_token_ids,
+                                                             it.seq.request_index) for it in items])
+
+    def execute_multi(self, items: list[ScheduledSequence], steps: list[int], captures: list[dict[int, int]],
+                      stop_ids: list[list[int]], stop_from: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Runs up to num_scheduler_steps greedy decode steps in one call (see multi_step.py). Per item: `steps`
+        tokens at most, `captures` {step: snapshot row}, the token ids that stop it and its first step where they
+        may. The items' block tables must already hold every token they may run. Returns (tokens [K, items],
+        ran [items]): item i's tokens are tokens[:ran[i], i]."""
+        k = self.config.num_scheduler_steps
+        segments = [Segment(token_ids=it.seq.token_slice(it.start, it.end), start=it.start,
+                            block_table=self.cache.block_table(it.seq.request_id), read_row=it.seq.read_row,
+                            write_row=it.seq.state_row) for it in items]
+        bucket = self.bucket_for(segments)
+        sizes = bucket.sizes
+        assert sizes.num_chunks == 0 and sizes.num_decode == sizes.num_tokens, "a multi-step call needs a decode bucket"
+        inputs = build_step_inputs(segments, sizes, block_size=self.config.block_size, chunk=bucket.chunk)
+        d, m = sizes.num_decode, len(items)
+        width = 4
+        while width < max(len(ids) for ids in stop_ids):     # a few widths, each one compilation
+            width *= 2
+        plan = MultiStepInputs(steps=np.zeros(d, np.int32), capture_row=np.zeros((k, d), np.int32),
+                               stop_ids=np.full((d, width), -1, np.int32), stop_from=np.zeros(d, np.int32))
+        plan.steps[:m] = steps
+        plan.stop_from[:m] = stop_from
+        for i, (rows, ids) in enumerate(zip(captures, stop_ids)):
+            for step, row in rows.items():
+                plan.capture_row[step, i] = row
+            plan.stop_ids[i, :len(ids)] = ids
+        t0 = time.perf_counter()
+        tokens, ran, self.buffers = self._multi_step(self.params, self.buffers, inputs, plan)
+        tokens, ran = np.asarray(tokens)[:, :m], np.asarray(ran)[:m]
+        self.step_time += time.perf_counter() - t0
+        return tokens, ran
+
     def free(self, request_id: str) -> None:
         self.sampler_inputs.free(request_id)
 
@@ -186,6 +234,13 @@ class ModelRunner:
                 segments.append(Segment([0] * 2, 0, [0], -1, 0))
             inputs = build_step_inputs(segments, s, block_size=self.config.block_size, chunk=bucket.chunk)
             logits, _, self.buffers = self._step(self.params, self.buffers, inputs)
+            if self._multi_step is not None and not s.num_chunks:     # decode buckets also run multi-step
+                k = self.config.num_scheduler_steps
+                plan = MultiStepInputs(steps=np.zeros(s.num_decode, np.int32),
+                                       capture_row=np.zeros((k, s.num_decode), np.int32),
+                                       stop_ids=np.full((s.num_decode, 4), -1, np.int32),
+                                       stop_from=np.zeros(s.num_decode, np.int32))
+                _, _, self.buffers = self._multi_step(self.params, self.buffers, inputs, plan)   # runs no step
             for params in _WARM_UP_SAMPLING:     # the sampler variants most requests use
                 tensors, k = self.sampler_inputs.build([SamplingRow("warm-up", params, [0], [], 0)], s.num_logits)
                 jax.block_until_ready(_sample_rows(logits, np.zeros(s.num_logits, np.int32), tensors, num_logprobs=k))

@@ -1,0 +1,152 @@
+"""Several greedy decode steps per jitted call (num_scheduler_steps) give what one step a call gives: the same
+tokens, stops, finish reasons, prefix-cache reuse and snapshot captures."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import qnext
+from qnext import SamplingParams
+
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=160, block_size=16,
+              num_gpu_blocks_override=40, max_num_snapshots=8)
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def path(tiny_checkpoint):
+    return tiny_checkpoint("qwen3_5")
+
+
+def finished(outs):
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason, o.outputs[0].text)
+            for o in outs]
+
+
+def count_calls(llm, name):
+    calls = []
+    method = getattr(llm.engine.runner, name)
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return method(*a, **kw)
+    setattr(llm.engine.runner, name, counted)
+    return calls
+
+
+def test_multi_step_tokens_and_stops_match_single_steps(path):
+    single = qnext.LLM(path, **ENGINE)
+    multi = qnext.LLM(path, num_scheduler_steps=STEPS, **ENGINE)
+    multi.engine.runner.warm_up()
+    prompts = ["Once upon a time", "the quick brown fox " * 3, "x", "a lighthouse keeper wrote"]
+    base = single.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    tokens = [o.outputs[0].token_ids for o in base]
+    params = [
+        # a stop token id mid-window (the device stops the row; the host keeps nothing after it)
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[tokens[0][6]]),
+        # EOS stops unless ignored; max_tokens not a multiple of the steps per call
+        SamplingParams(temperature=0.0, max_tokens=19),
+        SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+        # before min_tokens a stop token id does not stop
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, min_tokens=6, stop_token_ids=[tokens[3][1]]),
+    ]
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    calls = count_calls(multi, "execute_multi")
+    expected = finished(single.generate(prompts, params))
+    steps_before = multi.engine.stats.num_steps
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        got = finished(multi.generate(prompts, params))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert got == expected
+    assert compiles == []                                   # warm-up compiled the multi-step calls too
+    assert expected[0][1:3] == ("stop", tokens[0][6]) and len(expected[0][0]) == tokens[0].index(tokens[0][6]) + 1
+    assert len(expected[2][0]) == 7
+    assert len(expected[3][0]) > 6
+    assert calls                                             # decode ran multi-step, in fewer engine steps
+    single_steps = sum(len(e[0]) for e in expected)
+    assert multi.engine.stats.num_steps - steps_before < single_steps // 2
+
+    # rows the device cannot decide alone (sampling, logprobs, stop strings) take single steps: same results
+    sampled = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=9, seed=5),
+               SamplingParams(temperature=0.0, max_tokens=9, logprobs=2, ignore_eos=True),
+               SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, stop=[expected[2][3][3:5]])]
+    calls.clear()
+    got = multi.generate(prompts[:3], sampled)
+    want = single.generate(prompts[:3], sampled)
+    assert finished(got) == finished(want)
+    assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in want]
+    assert not calls
+
+
+def window_reaches_boundary(prompt_len, j):
+    """Output j (appended when prompt_len + j tokens are computed) comes from a call whose window of STEPS tokens
+    reaches the next block boundary."""
+    computed = prompt_len + j
+    window_end = prompt_len + (j - 1) // STEPS * STEPS + STEPS
+    return computed % 16 and (computed // 16 + 1) * 16 <= window_end
+
+
+def test_multi_step_chat_reuses_like_single_steps(path):
+    """Turn ends at varied offsets from block boundaries: the decode tracking snapshot the next turn restores is
+    the same. One turn stops on a stop token id 1-3 tokens before a block boundary, inside a call's window: the
+    device must stop that row there, or it would overwrite the tracking snapshot with a state past the stop."""
+    single = qnext.LLM(path, **ENGINE)
+    multi = qnext.LLM(path, num_scheduler_steps=STEPS, **ENGINE)
+    probe = qnext.LLM(path, enable_prefix_caching=False, **ENGINE)
+    rng = np.random.default_rng(4)
+    history = rng.integers(3, 500, 22).tolist()
+    stopped_early = False
+    for turn, max_tokens in enumerate((12, 9, 40, 14, 3)):
+        prompt = {"prompt_token_ids": history}
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        if turn == 2:
+            out = probe.generate(prompt, params)[0].outputs[0].token_ids
+            # output j stops the turn with len(history) + j tokens computed, in a call whose window (decode calls
+            # start at len(history), STEPS tokens each) runs on to a block boundary, past one the decode crossed
+            # (so the tracking snapshot, not the prompt's, is what the next turn restores)
+            j = next(j for j, t in enumerate(out) if t not in out[:j] and j >= 1
+                     and window_reaches_boundary(len(history), j) and (len(history) + j) // 16 * 16 > len(history))
+            params = dataclasses.replace(params, stop_token_ids=[out[j]])
+            stop_computed = len(history) + j
+        want, got = single.generate(prompt, params)[0], multi.generate(prompt, params)[0]
+        assert finished([got]) == finished([want])
+        assert got.num_cached_tokens == want.num_cached_tokens
+        if turn:
+            assert got.num_cached_tokens > 0
+        if turn == 3:                  # the stopped turn's end-of-turn snapshot, at its last boundary
+            assert got.num_cached_tokens == stop_computed // 16 * 16
+            stopped_early = True
+        history = history + got.outputs[0].token_ids + rng.integers(3, 500, 5 + 3 * turn).tolist()
+    assert stopped_early
+    stats = [dataclasses.asdict(llm.engine.cache.stats) for llm in (single, multi)]
+    for key in ("reused_tokens", "lost_to_missing_state_tokens", "snapshots_captured", "snapshots_restored"):
+        assert stats[1][key] == stats[0][key], key
+
+
+def test_multi_step_with_too_few_blocks_matches_a_roomy_engine(path):
+    """Rows run fewer steps when the cache has no blocks for more (never preempting for them); preemption by
+    the scheduler still works."""
+    rng = np.random.default_rng(5)
+    prompts = [{"prompt_token_ids": rng.integers(3, 500, n).tolist()} for n in (30, 25, 33, 20)]
+    params = SamplingParams(temperature=0.0, max_tokens=22, ignore_eos=True)
+    roomy = qnext.LLM(path, **ENGINE)
+    tight = qnext.LLM(path, num_scheduler_steps=STEPS, **dict(ENGINE, num_gpu_blocks_override=12))
+    want = finished(roomy.generate(prompts, params))
+    got = finished(tight.generate(prompts, params))
+    assert got == want
+    assert tight.engine.scheduler.num_preemptions > 0
+
+
+def test_num_scheduler_steps_is_validated(path):
+    with pytest.raises(ValueError, match="num_scheduler_steps"):
+        qnext.LLM(path, num_scheduler_steps=0, **ENGINE)
