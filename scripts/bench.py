@@ -694,7 +694,8 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
         hf_ok = True
         log(f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads")
-    machine = f"{jax.devices()[0].platform} {jax.devices()[0].device_kind}, {platform.processor() or platform.machine()}"
+    device = jax.devices()[0]
+    machine = f"{device.platform} {device.device_kind}, {platform.processor() or platform.machine()}"
     results = [bench_model(name, args, hf_ok, log) for name in args.models]
     report = {"dtype": args.dtype, "machine": machine, "jax": jax.__version__, "args": vars(args),
               "results": results, "targets": targets(results),

@@ -59,7 +59,8 @@ class LLMEngine:
 
         c = self.config
         blocks_per_seq = -(-self.max_model_len // c.block_size)
-        num_blocks = c.num_gpu_blocks_override if c.num_gpu_blocks_override is not None else c.max_num_seqs * blocks_per_seq
+        num_blocks = (c.num_gpu_blocks_override if c.num_gpu_blocks_override is not None
+                      else c.max_num_seqs * blocks_per_seq)
         if num_blocks < blocks_per_seq:
             raise ValueError(f"num_gpu_blocks_override={num_blocks} blocks of {c.block_size} tokens cannot hold one "
                              f"sequence of max_model_len {self.max_model_len}")
