@@ -1,5 +1,5 @@
-"""Several greedy decode steps per jitted call (num_scheduler_steps) give what one step a call gives: the same
-tokens, stops, finish reasons, prefix-cache reuse and snapshot captures."""
+"""Several decode steps per jitted call (num_scheduler_steps) give what one step a call gives: the same tokens
+(greedy and seeded sampling), stops, finish reasons, prefix-cache reuse and snapshot captures."""
 from __future__ import annotations
 
 import dataclasses
@@ -76,13 +76,21 @@ def test_multi_step_tokens_and_stops_match_single_steps(path):
     single_steps = sum(len(e[0]) for e in expected)
     assert multi.engine.stats.num_steps - steps_before < single_steps // 2
 
-    # rows the device cannot decide alone (sampling, logprobs, stop strings) take single steps: same results
-    sampled = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=9, seed=5),
-               SamplingParams(temperature=0.0, max_tokens=9, logprobs=2, ignore_eos=True),
-               SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, stop=[expected[2][3][3:5]])]
+    # seeded sampling (temperature, top-k / top-p, min-p) draws on device the tokens single steps draw
+    sampled = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=11, seed=5),
+               SamplingParams(temperature=1.2, top_k=20, max_tokens=9, seed=6, ignore_eos=True),
+               SamplingParams(temperature=0.7, min_p=0.05, max_tokens=10, seed=7),
+               SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)]
     calls.clear()
-    got = multi.generate(prompts[:3], sampled)
-    want = single.generate(prompts[:3], sampled)
+    got, want = multi.generate(prompts, sampled), single.generate(prompts, sampled)
+    assert finished(got) == finished(want)
+    assert calls
+    # rows the device cannot decide alone (logprobs, penalties, stop strings) take single steps: same results
+    host_side = [SamplingParams(temperature=0.0, max_tokens=9, logprobs=2, ignore_eos=True),
+                 SamplingParams(temperature=0.9, max_tokens=9, seed=3, repetition_penalty=1.3),
+                 SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, stop=[expected[2][3][3:5]])]
+    calls.clear()
+    got, want = multi.generate(prompts[:3], host_side), single.generate(prompts[:3], host_side)
     assert finished(got) == finished(want)
     assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in want]
     assert not calls

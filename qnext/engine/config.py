@@ -20,7 +20,7 @@ class EngineConfig:
     snapshot_memory_bytes: int | None = None  # byte budget for snapshot rows; caps max_num_snapshots
     prefill_chunk: int | None = None          # rows per prefill group of the delta-rule kernel; None: by backend
     max_prefill_groups_extra: int = 8         # prefill groups a step may have beyond tokens / chunk
-    num_scheduler_steps: int = 1              # greedy decode steps per jitted call (1: one step per call)
+    num_scheduler_steps: int = 1              # decode steps per jitted call (1: one step per call)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk", "num_scheduler_steps"):

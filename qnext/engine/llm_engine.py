@@ -178,7 +178,7 @@ class LLMEngine:
         return outputs
 
     def _multi_step(self, items) -> list[RequestOutput]:
-        """Several greedy decode steps in one call (num_scheduler_steps; see multi_step.py). Each row runs at most
+        """Several decode steps in one call (num_scheduler_steps; see multi_step.py). Each row runs at most
         what its max_tokens and max_model_len leave and what its KV blocks hold (extended here when the cache has
         blocks free, never by preempting); the device stops a row after an EOS / stop token id as check_stop
         does, and the host replays every token through the same bookkeeping as single steps."""

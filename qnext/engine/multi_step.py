@@ -1,15 +1,19 @@
-"""Several greedy decode steps in one jitted call (vLLM's num_scheduler_steps): the host schedules, lays out and
+"""Several decode steps in one jitted call (vLLM's num_scheduler_steps): the host schedules, lays out and
 transfers once for up to K steps, and reads the K tokens of every row back once.
 
-Inside the call, step k runs the decode bucket's forward on the tokens step k-1 picked (the argmax of the raw
-logits, the sampler's greedy pick), one position further: positions, kv lengths and KV slots advance on device from
-the block table, which the host has extended beforehand for every token a row may run. A row stops running after
-`steps[i]` tokens (its max_tokens / max_model_len budget, capped by the blocks it holds) or after the token that
-stops it (an EOS or stop token id, from its first step where that token may stop it, as check_stop): from then on it
-is a padding row, which writes no state, conv row or capture, and its KV goes to the dummy block. The host replays
-the same stop checks on the returned tokens, so no token past a stop is kept. Snapshot captures at block
-boundaries happen in the step that computes the boundary's last token, into the row the host passed for that step.
-The loop ends early once no row runs.
+Inside the call, step k runs the decode bucket's forward on the tokens step k-1 picked, one position further. The
+pick is the argmax of the raw logits when every row is greedy (the sampler's greedy pick), else the sampler's own
+draw from the same tensors with the output position advanced by k: a row's token at a position depends only on its
+key and that position, so the tokens are those single steps draw. Rows whose sampling needs per-step host state
+(logprobs, penalties, suppressed ids) or stop strings do not come here.
+
+Positions, kv lengths and KV slots advance on device from the block table, which the host has extended beforehand
+for every token a row may run. A row stops running after `steps[i]` tokens (its max_tokens / max_model_len budget,
+capped by the blocks it holds) or after the token that stops it (an EOS or stop token id, from its first step where
+that token may stop it, as check_stop): from then on it is a padding row, which writes no state, conv row or capture,
+and its KV goes to the dummy block. The host replays the same stop checks on the returned tokens, so no token past
+a stop is kept. Snapshot captures at block boundaries happen in the step that computes the boundary's last token,
+into the row the host passed for that step. The loop ends early once no row runs.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from qnext.config import ModelConfig
-from qnext.engine.sampler import first_argmax
+from qnext.engine.sampler import SamplingTensors, first_argmax, sample
 from qnext.model.forward import forward
 from qnext.model.step_inputs import StepInputs
 
@@ -54,16 +58,21 @@ def _step_inputs(first: StepInputs, k, tokens, running, capture_row, block_size:
 
 @functools.lru_cache(maxsize=None)
 def make_multi_step(cfg: ModelConfig, num_steps: int, block_size: int):
-    """jit(params, buffers, inputs, plan) -> (tokens [K, D] int32, ran [D] int32 steps each row ran, buffers).
-    Cache buffers are donated."""
-    def run(params, buffers, inputs: StepInputs, plan: MultiStepInputs):
+    """jit(params, buffers, inputs, plan, sampling) -> (tokens [K, D] int32, ran [D] int32 steps each row ran,
+    buffers); sampling: the rows' SamplingTensors, or None when every row is greedy. Cache buffers are donated."""
+    def run(params, buffers, inputs: StepInputs, plan: MultiStepInputs, sampling: SamplingTensors | None):
         d = plan.steps.shape[0]
+
+        def pick(logits, k):
+            if sampling is None:
+                return first_argmax(logits)[:d]
+            return sample(logits[:d], sampling._replace(position=sampling.position + k), num_logprobs=None).token_ids
 
         def body(carry):
             k, running, tokens, out, ran, buffers = carry
             step = _step_inputs(inputs, k, tokens, running, plan.capture_row[k], block_size)
             logits, buffers = forward(params, buffers, step, cfg)
-            picked = first_argmax(logits)[:d]
+            picked = pick(logits, k)
             stops = jnp.any(picked[:, None] == plan.stop_ids, axis=1) & (k >= plan.stop_from)
             out = out.at[k].set(jnp.where(running, picked, -1))
             ran = ran + running

@@ -176,21 +176,24 @@ class ModelRunner:
         return out
 
     def multi_step_ok(self, items: list[ScheduledSequence]) -> bool:
-        """Whether the step may run as several greedy decode steps in one call: every item decodes and samples
-        the argmax of its raw logits (no logprobs, penalties or suppressed ids), its prompt is computed (no prompt
-        capture pending), and no request has stop strings (the detokenizer's, which the device cannot check)."""
+        """Whether the step may run as several decode steps in one call: every item decodes, its prompt is
+        computed (no prompt capture pending), its sampling needs no per-step host state (no logprobs, penalties
+        or suppressed ids) and it has no stop strings (the detokenizer's, which the device cannot check)."""
         if self.config.num_scheduler_steps < 2 or not items:
             return False
         if not all(it.num_tokens == 1 and it.samples and it.start >= len(it.seq.prompt_token_ids)
                    and not it.seq.params.stop for it in items):
             return False
-        return self.sampler_inputs.plain_greedy([SamplingRow(it.seq.request_id, it.seq.params,
-                                                             it.seq.prompt_token_ids, it.seq.output_token_ids,
-                                                             it.seq.request_index) for it in items])
+        return self.sampler_inputs.stateless(self._sampling_rows(items))
+
+    @staticmethod
+    def _sampling_rows(items: list[ScheduledSequence]) -> list[SamplingRow]:
+        return [SamplingRow(it.seq.request_id, it.seq.params, it.seq.prompt_token_ids, it.seq.output_token_ids,
+                            it.seq.request_index) for it in items]
 
     def execute_multi(self, items: list[ScheduledSequence], steps: list[int], captures: list[dict[int, int]],
                       stop_ids: list[list[int]], stop_from: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Runs up to num_scheduler_steps greedy decode steps in one call (see multi_step.py). Per item: `steps`
+        """Runs up to num_scheduler_steps decode steps in one call (see multi_step.py). Per item: `steps`
         tokens at most, `captures` {step: snapshot row}, the token ids that stop it and its first step where they
         may. The items' block tables must already hold every token they may run. Returns (tokens [K, items],
         ran [items]): item i's tokens are tokens[:ran[i], i]."""
@@ -214,8 +217,10 @@ class ModelRunner:
             for step, row in rows.items():
                 plan.capture_row[step, i] = row
             plan.stop_ids[i, :len(ids)] = ids
+        rows = self._sampling_rows(items)
+        sampling = None if all(r.params.greedy for r in rows) else self.sampler_inputs.build(rows, d)[0]
         t0 = time.perf_counter()
-        tokens, ran, self.buffers = self._multi_step(self.params, self.buffers, inputs, plan)
+        tokens, ran, self.buffers = self._multi_step(self.params, self.buffers, inputs, plan, sampling)
         tokens, ran = np.asarray(tokens)[:, :m], np.asarray(ran)[:m]
         self.step_time += time.perf_counter() - t0
         return tokens, ran
@@ -240,7 +245,11 @@ class ModelRunner:
                                        capture_row=np.zeros((k, s.num_decode), np.int32),
                                        stop_ids=np.full((s.num_decode, 4), -1, np.int32),
                                        stop_from=np.zeros(s.num_decode, np.int32))
-                _, _, self.buffers = self._multi_step(self.params, self.buffers, inputs, plan)   # runs no step
+                _, _, self.buffers = self._multi_step(self.params, self.buffers, inputs, plan, None)  # runs no step
+                tensors, _ = self.sampler_inputs.build([SamplingRow("warm-up", _WARM_UP_SAMPLING[1], [0], [], 0)],
+                                                       s.num_decode)
+                _, _, self.buffers = self._multi_step(self.params, self.buffers, inputs, plan, tensors)
+                self.sampler_inputs.free("warm-up")
             for params in _WARM_UP_SAMPLING:     # the sampler variants most requests use
                 tensors, k = self.sampler_inputs.build([SamplingRow("warm-up", params, [0], [], 0)], s.num_logits)
                 jax.block_until_ready(_sample_rows(logits, np.zeros(s.num_logits, np.int32), tensors, num_logprobs=k))

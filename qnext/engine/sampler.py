@@ -248,8 +248,14 @@ class SamplerInputBuilder:
     def plain_greedy(self, rows: Sequence[SamplingRow]) -> bool:
         """True when every row's token is the argmax of its raw logits: greedy, no logprobs, no penalties and no
         ids suppressed now (min_tokens). `sample` would return exactly that token, logprob 0 and rank 1."""
-        return all(r.params.greedy and r.params.logprobs is None and not r.params.uses_penalties
-                   and not self._suppressed_ids(r) for r in rows)
+        return all(r.params.greedy for r in rows) and self.stateless(rows)
+
+    def stateless(self, rows: Sequence[SamplingRow]) -> bool:
+        """True when every row's next tokens depend only on its logits and output position: no logprobs, no
+        penalties (output counts) and no ids suppressed now (min_tokens, which is never active again once it is
+        not). Such rows can draw several tokens in a row on device, each from these tensors at position + k."""
+        return all(r.params.logprobs is None and not r.params.uses_penalties and not self._suppressed_ids(r)
+                   for r in rows)
 
     def free(self, request_id: str) -> None:
         self.penalties.free(request_id)
