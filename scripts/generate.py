@@ -41,6 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--max-model-len", type=int, default=None, help="default: min(model limit, 4096)")
     p.add_argument("--max-num-batched-tokens", type=int, default=128)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="decode steps per jitted call (more: fewer host round trips, burstier streaming)")
     p.add_argument("--no-warm-up", action="store_true", help="compile step shapes lazily instead of up front")
     return p.parse_args(argv)
 
@@ -58,7 +60,8 @@ def build_llm(args):
     with tqdm(total=1, desc="loading weights", unit="step", leave=False) as bar:
         llm = qnext.LLM(model, dtype=args.dtype, max_num_seqs=1, max_model_len=args.max_model_len,
                         max_num_batched_tokens=args.max_num_batched_tokens,
-                        enable_prefix_caching=not args.no_prefix_caching, seed=args.seed)
+                        enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+                        num_scheduler_steps=args.num_scheduler_steps)
         bar.update()
     if not args.no_warm_up:
         runner = llm.engine.runner
