@@ -59,7 +59,8 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
                ) -> Iterator[tuple[str, RequestOutput]]:
-        """Yields (new text, output so far) after every generated token of one request."""
+        """Yields (new text, output so far) for one request after every engine step that generated for it: one
+        token, or up to num_scheduler_steps when decode steps run several to a call."""
         params = sampling_params or SamplingParams()
         request_id = self._add(self._encode(prompt, params), params)
         try:

@@ -75,7 +75,10 @@ def parse_args(argv=None):
     ap.add_argument("--reply", type=int, default=4, help="tokens generated per turn")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (XLA uses the visible cores)")
     ap.add_argument("--num-scheduler-steps", type=int, default=8,
-                    help="qnext's greedy decode steps per jitted call (the engine option; 1: one step a call)")
+                    help="qnext's decode steps per jitted call (the engine option; 1: one step a call)")
+    ap.add_argument("--one-step-baseline", action="store_true",
+                    help="also run qnext with one decode step per call, alternating with the others, and report "
+                         "what several steps per call buy")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default=str(ROOT / "bench_out"), help="checkpoints and the compilation cache")
     ap.add_argument("--json-out", default=None)
@@ -482,6 +485,9 @@ def bench_model(name: str, args, hf_ok: bool, log) -> dict:
     log(f"[{name}] loading qnext ({args.dtype})")
     llm = qnext.LLM(path, **options)
     engine = llm.engine
+    one_step = None              # the same engine with one decode step per call (shares its compilations)
+    if args.one_step_baseline and options["num_scheduler_steps"] > 1:
+        one_step = qnext.LLM(path, **dict(options, num_scheduler_steps=1)).engine
 
     hf = None
     if hf_batches and hf_ok:
@@ -506,16 +512,21 @@ def bench_model(name: str, args, hf_ok: bool, log) -> dict:
                           args.output_len, f"again{b}")
         result["compile"]["step_shapes"] += w["compilations"] + q["compilations"]
         result["compile"]["warm_up_seconds"] += w["seconds"]
-        h_passes = []
-        if b in hf_batches and hf is not None:
-            log(f"[{name}] batch {b}: transformers")
-            h_passes.append(run_hf(hf, prompts, args.output_len, cfg.pad_token_id or 0))
-            q_passes = [q]
-            for r in range(1, args.repeats):  # alternating passes; prompts of the same lengths, new tokens
-                again = [[(t * (2 * r + 3) + 7 * r) % (cfg.vocab_size - 11) + 3 for t in p] for p in prompts]
-                log(f"[{name}] batch {b}: pass {r + 1} of {args.repeats}, qnext then transformers")
-                q_passes.append(run_qnext(engine, again, args.output_len, f"b{b}-pass{r}"))
-                h_passes.append(run_hf(hf, again, args.output_len, cfg.pad_token_id or 0))
+        h_passes, s_passes, q_passes = [], [], [q]
+        with_hf = b in hf_batches and hf is not None
+        if one_step is not None:
+            run_qnext(one_step, warm, min(args.output_len, 16), f"warm{b}-one-step")
+        if with_hf or one_step is not None:
+            for r in range(args.repeats):     # alternating passes; prompts of the same lengths, new tokens
+                again = prompts if r == 0 else [[(t * (2 * r + 3) + 7 * r) % (cfg.vocab_size - 11) + 3 for t in p]
+                                                for p in prompts]
+                log(f"[{name}] batch {b}: pass {r + 1} of {args.repeats}")
+                if r:
+                    q_passes.append(run_qnext(engine, again, args.output_len, f"b{b}-pass{r}"))
+                if one_step is not None:
+                    s_passes.append(run_qnext(one_step, again, args.output_len, f"b{b}-pass{r}-one-step"))
+                if with_hf:
+                    h_passes.append(run_hf(hf, again, args.output_len, cfg.pad_token_id or 0))
             q = min(q_passes, key=lambda x: x["seconds"])
             q["pass_seconds"] = [x["seconds"] for x in q_passes]
         row = {"batch": b, "prompt_lens": [len(p) for p in prompts], "output_len": args.output_len}
@@ -533,6 +544,14 @@ def bench_model(name: str, args, hf_ok: bool, log) -> dict:
         result["host"][str(b)] = row["qnext"]["host_full_decode"]
         log(f"[{name}] batch {b}: qnext {q['output_tokens_per_s']:.1f} tok/s ({100 * floor / q['seconds']:.0f}% of "
             f"the GEMM floor {row['floor_output_tokens_per_s']:.1f} tok/s)")
+        if s_passes:
+            one = min(s_passes, key=lambda x: x["seconds"])
+            row["qnext_one_step_per_call"] = {
+                "output_tokens_per_s": one["output_tokens_per_s"], "tpot_s": float(np.mean(one["tpot_s"])),
+                "pass_seconds": [x["seconds"] for x in s_passes],
+                "host_full_decode": host_summary(one["steps"], decode_rows=b),
+                "same_tokens": s_passes[0]["tokens"] == q_passes[0]["tokens"]}
+            row["multi_step_speedup"] = q["output_tokens_per_s"] / one["output_tokens_per_s"]
         if h_passes:
             h = min(h_passes, key=lambda x: x["seconds"])
             row["hf"] = {k: v for k, v in h.items() if k != "tokens"}
@@ -552,7 +571,7 @@ def bench_model(name: str, args, hf_ok: bool, log) -> dict:
         off = qnext.LLM(path, **dict(options, enable_prefix_caching=False)).engine
         engines = {True: qnext.LLM(path, **options).engine, False: off}
         result["chat"] = run_chat(engines, args, cfg.vocab_size, rng)
-    del llm, hf
+    del llm, hf, one_step
     jax.clear_caches()
     return result
 
@@ -593,6 +612,10 @@ def targets(results: list[dict]) -> list[dict]:
     return out
 
 
+def args_steps(report: dict) -> str:
+    return f"{report['args']['num_scheduler_steps']} steps"
+
+
 def print_report(report: dict) -> None:
     print()
     print(f"qnext bench  dtype={report['dtype']}  {report['machine']}  (JAX compilation excluded: warm-up passes of "
@@ -615,6 +638,12 @@ def print_report(report: dict) -> None:
                   f"{fmt_s(np.mean(h['ttft_s']) if h else None):>8} {fmt_s(np.mean(q['tpot_s'])):>8} "
                   f"{fmt_s(np.mean(h['tpot_s']) if h else None):>8} {100 * host['host_fraction']:>5.1f}% "
                   f"{(100 * o['agreement']['identical_outputs'] if h else float('nan')):>5.0f}%")
+        for o in r["offline"]:
+            one = o.get("qnext_one_step_per_call")
+            if one:
+                print(f"  batch {o['batch']}: one decode step per call {one['output_tokens_per_s']:.1f} tok/s (TPOT "
+                      f"{fmt_s(one['tpot_s'])}), {args_steps(report)} per call {o['qnext']['output_tokens_per_s']:.1f} "
+                      f"({o['multi_step_speedup']:.2f}x), same tokens: {one['same_tokens']}")
         for b, host in r["host"].items():
             if host:
                 print(f"  host per decode step at batch {b}: step {fmt_s(host['step_s'])}, jitted step "

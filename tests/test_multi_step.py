@@ -155,6 +155,16 @@ def test_multi_step_with_too_few_blocks_matches_a_roomy_engine(path):
     assert tight.engine.scheduler.num_preemptions > 0
 
 
+def test_multi_step_streams_the_same_text_in_fewer_pieces(path):
+    single = qnext.LLM(path, **ENGINE)
+    multi = qnext.LLM(path, num_scheduler_steps=STEPS, **ENGINE)
+    params = SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True)
+    full = single.generate("Stream me", params)[0].outputs[0]
+    deltas = [delta for delta, _ in multi.stream("Stream me", params)]
+    assert "".join(deltas) == full.text
+    assert len(deltas) == 1 + -(-12 // STEPS)         # the prefill's token, then STEPS tokens a call
+
+
 def test_num_scheduler_steps_is_validated(path):
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         qnext.LLM(path, num_scheduler_steps=0, **ENGINE)

@@ -207,15 +207,33 @@ class LLMEngine:
             reached = [e for e in boundaries[i] if e <= start + ran[i]]
             if reached:                          # the tracking row now holds the state after this many tokens
                 self.cache.decode_capture_row(seq.request_id, reached[-1])
-            for k in range(int(ran[i])):
-                seq.num_computed_tokens = start + k + 1
-                seq.read_row = seq.state_row
-                self.cache.commit(seq.request_id, seq.token_ids, seq.num_computed_tokens)
-                self._append(seq, SampledToken(int(tokens[k, i]), 0.0, 1, None, None))
-                if seq.is_finished:
-                    break
+            stop, kept = self._append_tokens(seq, tokens[:ran[i], i].tolist())
+            seq.num_computed_tokens = start + len(kept)
+            seq.read_row = seq.state_row
+            self.cache.commit(seq.request_id, seq.token_ids, seq.num_computed_tokens)
+            if stop is not None:
+                self._finish(seq, *stop)
             outputs.append(self._output(seq))
         return outputs
+
+    def _append_tokens(self, seq: Sequence, token_ids: list[int]) -> tuple[tuple | None, list[int]]:
+        """A multi-step call's tokens for one row (no logprobs, no stop strings): appended up to and including the
+        one that stops it, checked one by one as `_append` does, detokenised at once. Returns (stop, kept)."""
+        out, p, stop = seq.output_token_ids, seq.params, None
+        kept = []
+        for token in token_ids:
+            out.append(token)
+            kept.append(token)
+            stop = check_stop(p, out, self.model_config.eos_token_ids, seq.num_tokens, self.max_model_len)
+            if stop is not None:
+                break
+        self.stats.num_generated_tokens += len(kept)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        detok = self._detokenizers.get(seq.request_id)
+        if detok is not None:
+            detok.update(kept, stop_token_terminated=stop is not None and stop[0] == "stop")
+        return stop, kept
 
     def _append(self, seq: Sequence, token: SampledToken) -> None:
         p = seq.params
