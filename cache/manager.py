@@ -1,7 +1,8 @@
 """CacheManager: the engine-facing host bookkeeping for KV blocks, live state slots and mamba prefix snapshots.
 
 Per step the engine calls: admit (new sequence) -> capture_positions / reserve_capture (prefill) or
-decode_capture_row (decode, at a block boundary) -> append_slots (decode growth) -> [the step runs] ->
+decode_capture_row (decode, at a block boundary; decode_tracking_row before a multi-step call, decode_capture_row
+after it for the boundary reached) -> append_slots (decode growth) -> [the step runs] ->
 commit (publish what the step wrote) -> free (finish / abort / preempt). Nothing becomes matchable or restorable
 before the commit of the step that wrote it.
 """

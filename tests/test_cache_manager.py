@@ -78,6 +78,32 @@ def test_multi_turn_continues_from_the_finished_sequence_state():
     assert adm.num_cached_tokens == 16 and m.stats.snapshots_restored == 1
 
 
+def test_decode_tracking_row_is_reserved_without_moving_its_position():
+    """A multi-step call gets the tracking row before it knows which boundary the row reaches: the row the last
+    boundary went to, with that boundary still recorded, until decode_capture_row records a deeper one."""
+    m = make()
+    prompt = list(range(10))
+    prefill(m, "a", prompt)
+    tokens = prompt + [50, 51, 52]
+    assert m.append_slots("a", 12)
+    row = m.decode_capture_row("a", 12)                  # boundary 12 reached by a single step
+    m.commit("a", tokens, 12)
+    assert m.decode_tracking_row("a") == row             # same row, position still 12
+    tokens += [53, 54, 55]                               # the call ran tokens 12..14 and stopped before 16
+    assert m.append_slots("a", 16)
+    m.commit("a", tokens, 15)
+    m.free("a", tokens, 15, finished=True)
+    adm = m.admit("b", tokens + [60, 61])
+    assert adm.num_cached_tokens == 12 and adm.restore_row is not None
+
+    m2 = make()                                          # reserved but never recorded: freed, nothing registered
+    prefill(m2, "a", prompt)
+    assert m2.decode_tracking_row("a") is not None
+    captured = m2.stats.snapshots_captured
+    m2.free("a", prompt + [50], 10, finished=True)
+    assert m2.stats.snapshots_captured == captured and m2.snapshots.num_reserved == 0
+
+
 def test_branch_point_is_captured_so_siblings_hit():
     m = make()
     system = list(range(100, 108))  # two blocks shared by everyone
