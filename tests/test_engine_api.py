@@ -108,6 +108,20 @@ def test_prefill_and_mixed_steps_pad_to_halfway_sizes(tiny_checkpoint):
     assert engine.runner.bucket_for(decode_rows).sizes.num_tokens == 2      # decode-only: rows, not tokens
 
 
+def test_big_step_budgets_add_quarter_sizes(tiny_checkpoint):
+    """From 256 tokens on the prefill shapes also come in 1.25x and 1.75x powers of two (no compilation here:
+    bucket_for only lays shapes out)."""
+    from qnext.model.step_inputs import Segment
+
+    path = tiny_checkpoint("qwen3_5", max_position_embeddings=2048)
+    engine = qnext.LLM(path, **dict(ENGINE, max_num_batched_tokens=1024, max_model_len=1040,
+                                    num_gpu_blocks_override=70)).engine
+    sizes = sorted({b.sizes.num_tokens for b in engine.runner.prefill_buckets})
+    assert sizes == [16, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024]
+    prompt = [Segment([7] * 850, 0, list(range(1, 55)), -1, 1)]
+    assert engine.runner.bucket_for(prompt).sizes.num_tokens == 896
+
+
 def test_engine_freezes_start_up_heap_and_is_freed_without_the_cyclic_gc(tiny_checkpoint):
     """The engine moves the start-up heap out of the cyclic GC's reach (per-step collections stay cheap); that is
     only safe because a dropped engine is freed by reference counting alone: no cycle keeps its buffers alive."""
