@@ -167,7 +167,7 @@ class LLMEngine:
             seq = it.seq
             seq.num_computed_tokens = it.end
             seq.read_row = seq.state_row
-            self.cache.commit(seq.request_id, seq.token_ids, seq.num_computed_tokens)
+            self.cache.commit(seq.request_id, seq.token_view, seq.num_computed_tokens)
             token = sampled.get(seq.request_id)
             if token is not None:
                 self._append(seq, token)
@@ -210,7 +210,7 @@ class LLMEngine:
             stop, kept = self._append_tokens(seq, tokens[:ran[i], i].tolist())
             seq.num_computed_tokens = start + len(kept)
             seq.read_row = seq.state_row
-            self.cache.commit(seq.request_id, seq.token_ids, seq.num_computed_tokens)
+            self.cache.commit(seq.request_id, seq.token_view, seq.num_computed_tokens)
             if stop is not None:
                 self._finish(seq, *stop)
             outputs.append(self._output(seq))
