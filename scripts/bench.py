@@ -612,10 +612,6 @@ def targets(results: list[dict]) -> list[dict]:
     return out
 
 
-def args_steps(report: dict) -> str:
-    return f"{report['args']['num_scheduler_steps']} steps"
-
-
 def print_report(report: dict) -> None:
     print()
     print(f"qnext bench  dtype={report['dtype']}  {report['machine']}  (JAX compilation excluded: warm-up passes of "
@@ -642,7 +638,8 @@ def print_report(report: dict) -> None:
             one = o.get("qnext_one_step_per_call")
             if one:
                 print(f"  batch {o['batch']}: one decode step per call {one['output_tokens_per_s']:.1f} tok/s (TPOT "
-                      f"{fmt_s(one['tpot_s'])}), {args_steps(report)} per call {o['qnext']['output_tokens_per_s']:.1f} "
+                      f"{fmt_s(one['tpot_s'])}), {report['args']['num_scheduler_steps']} steps per call "
+                      f"{o['qnext']['output_tokens_per_s']:.1f} "
                       f"({o['multi_step_speedup']:.2f}x), same tokens: {one['same_tokens']}")
         for b, host in r["host"].items():
             if host:

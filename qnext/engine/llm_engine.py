@@ -155,12 +155,13 @@ class LLMEngine:
                                    "the KV cache or state slots are too small")
             return []
         device_before = self.runner.step_time
-        if self.runner.multi_step_ok(items):
-            outputs = self._multi_step(items)
-            self.stats.num_steps += 1
-            self.stats.device_seconds += self.runner.step_time - device_before
-            self.stats.step_seconds += time.perf_counter() - t0
-            return outputs
+        outputs = self._multi_step(items) if self.runner.multi_step_ok(items) else self._single_step(items)
+        self.stats.num_steps += 1
+        self.stats.device_seconds += self.runner.step_time - device_before
+        self.stats.step_seconds += time.perf_counter() - t0
+        return outputs
+
+    def _single_step(self, items) -> list[RequestOutput]:
         sampled = self.runner.execute(items)
         outputs = []
         for it in items:
@@ -172,43 +173,39 @@ class LLMEngine:
             if token is not None:
                 self._append(seq, token)
                 outputs.append(self._output(seq))
-        self.stats.num_steps += 1
-        self.stats.device_seconds += self.runner.step_time - device_before
-        self.stats.step_seconds += time.perf_counter() - t0
         return outputs
 
     def _multi_step(self, items) -> list[RequestOutput]:
         """Several decode steps in one call (num_scheduler_steps; see multi_step.py). Each row runs at most
         what its max_tokens and max_model_len leave and what its KV blocks hold (extended here when the cache has
         blocks free, never by preempting); the device stops a row after an EOS / stop token id as check_stop
-        does, and the host replays every token through the same bookkeeping as single steps."""
+        does (rows still short of min_tokens with such ids do not come here: their ids are suppressed), and the
+        host replays every token through the same bookkeeping as single steps."""
         k_max, bs, cache = self.config.num_scheduler_steps, self.config.block_size, self.cache
         eos = list(self.model_config.eos_token_ids)
-        steps, captures, boundaries, stop_ids, stop_from = [], [], [], [], []
+        steps, captures, stop_ids = [], [], []
         for it in items:
             seq, p = it.seq, it.seq.params
-            rid, start, produced = seq.request_id, it.start, len(seq.output_token_ids)
+            rid, start = seq.request_id, it.start
             n = min(k_max, self.max_model_len - seq.num_tokens)
             if p.max_tokens is not None:
-                n = min(n, p.max_tokens - produced)
+                n = min(n, p.max_tokens - len(seq.output_token_ids))
             if not cache.append_slots(rid, start + n):           # blocks for the extra tokens, if free
                 n = max(1, min(n, len(cache.block_table(rid)) * bs - start))
             ends = [e for e in range(start + 1, start + n + 1) if e % bs == 0]   # block boundaries computed
             row = cache.decode_tracking_row(rid) if ends and cache.uses_snapshots else None
             steps.append(n)
-            boundaries.append(ends if row is not None else [])
-            captures.append({e - start - 1: row for e in ends} if row is not None else {})
+            captures.append({e - start - 1: row for e in ends} if row is not None else {})    # step -> row
             stop_ids.append(([] if p.ignore_eos else eos) + list(p.stop_token_ids))
-            stop_from.append(max(0, p.min_tokens - produced - 1))
-        tokens, ran = self.runner.execute_multi(items, steps, captures, stop_ids, stop_from)
+        tokens, ran = self.runner.execute_multi(items, steps, captures, stop_ids)
         outputs = []
         for i, it in enumerate(items):
             seq, start = it.seq, it.start
-            reached = [e for e in boundaries[i] if e <= start + ran[i]]
+            reached = [step for step in captures[i] if step < ran[i]]
             if reached:                          # the tracking row now holds the state after this many tokens
-                self.cache.decode_capture_row(seq.request_id, reached[-1])
-            stop, kept = self._append_tokens(seq, tokens[:ran[i], i].tolist())
-            seq.num_computed_tokens = start + len(kept)
+                self.cache.decode_capture_row(seq.request_id, start + max(reached) + 1)
+            stop = self._append_tokens(seq, tokens[:ran[i], i].tolist())
+            seq.num_computed_tokens = seq.num_tokens - 1     # all but the last token, sampled and not yet run
             seq.read_row = seq.state_row
             self.cache.commit(seq.request_id, seq.token_view, seq.num_computed_tokens)
             if stop is not None:
@@ -216,31 +213,8 @@ class LLMEngine:
             outputs.append(self._output(seq))
         return outputs
 
-    def _append_tokens(self, seq: Sequence, token_ids: list[int]) -> tuple[tuple | None, list[int]]:
-        """A multi-step call's tokens for one row (no logprobs, no stop strings): appended up to and including the
-        one that stops it, checked one by one as `_append` does, detokenised at once. Returns (stop, kept)."""
-        out, p, stop = seq.output_token_ids, seq.params, None
-        kept = []
-        for token in token_ids:
-            out.append(token)
-            kept.append(token)
-            stop = check_stop(p, out, self.model_config.eos_token_ids, seq.num_tokens, self.max_model_len)
-            if stop is not None:
-                break
-        self.stats.num_generated_tokens += len(kept)
-        if seq.first_token_time is None:
-            seq.first_token_time = time.perf_counter()
-        detok = self._detokenizers.get(seq.request_id)
-        if detok is not None:
-            detok.update(kept, stop_token_terminated=stop is not None and stop[0] == "stop")
-        return stop, kept
-
     def _append(self, seq: Sequence, token: SampledToken) -> None:
         p = seq.params
-        seq.output_token_ids.append(token.token_id)
-        self.stats.num_generated_tokens += 1
-        if seq.first_token_time is None:
-            seq.first_token_time = time.perf_counter()
         seq.cumulative_logprob += token.logprob
         if p.logprobs is not None:
             decode = self.tokenizer.decode_token if self.tokenizer else None
@@ -249,16 +223,32 @@ class LLMEngine:
                                                token.top_ids if token.top_ids is not None else [],
                                                token.top_logprobs if token.top_logprobs is not None else [],
                                                p.logprobs, decode))
-        stop = check_stop(p, seq.output_token_ids, self.model_config.eos_token_ids, seq.num_tokens,
-                          self.max_model_len)
+        stop = self._append_tokens(seq, [token.token_id])
+        if stop is not None:
+            self._finish(seq, *stop)
+
+    def _append_tokens(self, seq: Sequence, token_ids: list[int]) -> tuple | None:
+        """Appends tokens up to and including the first that stops the request (check_stop, token by token),
+        detokenises them at once (stop strings included) and returns the stop, or None. One sampled token, or a
+        multi-step call's tokens for one row (which has no stop strings)."""
+        out, p, stop = seq.output_token_ids, seq.params, None
+        kept = 0
+        for token in token_ids:
+            out.append(token)
+            kept += 1
+            stop = check_stop(p, out, self.model_config.eos_token_ids, seq.num_tokens, self.max_model_len)
+            if stop is not None:
+                break
+        self.stats.num_generated_tokens += kept
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
         detok = self._detokenizers.get(seq.request_id)
         if detok is not None:
             token_stop = stop is not None and stop[0] == "stop"
-            stop_string = detok.update([token.token_id], stop_token_terminated=token_stop)
+            stop_string = detok.update(out[len(out) - kept:], stop_token_terminated=token_stop)
             if stop_string is not None:
                 stop = ("stop", stop_string)
-        if stop is not None:
-            self._finish(seq, *stop)
+        return stop
 
     def _finish(self, seq: Sequence, reason: str, stop_reason, release_cache: bool = True) -> None:
         if release_cache:

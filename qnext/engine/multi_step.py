@@ -9,11 +9,12 @@ key and that position, so the tokens are those single steps draw. Rows whose sam
 
 Positions, kv lengths and KV slots advance on device from the block table, which the host has extended beforehand
 for every token a row may run. A row stops running after `steps[i]` tokens (its max_tokens / max_model_len budget,
-capped by the blocks it holds) or after the token that stops it (an EOS or stop token id, from its first step where
-that token may stop it, as check_stop): from then on it is a padding row, which writes no state, conv row or capture,
-and its KV goes to the dummy block. The host replays the same stop checks on the returned tokens, so no token past
-a stop is kept. Snapshot captures at block boundaries happen in the step that computes the boundary's last token,
-into the row the host passed for that step. The loop ends early once no row runs.
+capped by the blocks it holds) or after the token that stops it (an EOS or stop token id, as check_stop; a row still
+short of min_tokens has those ids suppressed and does not come here): from then on it is a padding row, which writes
+no state, conv row or capture, and its KV goes to the dummy block. The host replays the same stop checks on the
+returned tokens, so no token past a stop is kept. Snapshot captures at block boundaries happen in the step that
+computes the boundary's last token, into the row the host passed for that step. The loop ends early once no row
+runs.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qnext.config import ModelConfig
 from qnext.engine.sampler import SamplingTensors, first_argmax, sample
@@ -37,7 +39,12 @@ class MultiStepInputs:
     steps: jnp.ndarray          # [D] int32 tokens the row may run (0: padding row)
     capture_row: jnp.ndarray    # [K, D] int32 snapshot row for the state after step k's token; 0 = none
     stop_ids: jnp.ndarray       # [D, S] int32 token ids that end the row (-1: unused)
-    stop_from: jnp.ndarray      # [D] int32 first step whose token may stop the row (min_tokens)
+
+    @classmethod
+    def idle(cls, num_steps: int, rows: int, stop_width: int = 4) -> "MultiStepInputs":
+        """A plan in which no row runs (host numpy arrays, filled in by the caller)."""
+        return cls(steps=np.zeros(rows, np.int32), capture_row=np.zeros((num_steps, rows), np.int32),
+                   stop_ids=np.full((rows, stop_width), -1, np.int32))
 
 
 def _step_inputs(first: StepInputs, k, tokens, running, capture_row, block_size: int) -> StepInputs:
@@ -73,7 +80,7 @@ def make_multi_step(cfg: ModelConfig, num_steps: int, block_size: int):
             step = _step_inputs(inputs, k, tokens, running, plan.capture_row[k], block_size)
             logits, buffers = forward(params, buffers, step, cfg)
             picked = pick(logits, k)
-            stops = jnp.any(picked[:, None] == plan.stop_ids, axis=1) & (k >= plan.stop_from)
+            stops = jnp.any(picked[:, None] == plan.stop_ids, axis=1)
             out = out.at[k].set(jnp.where(running, picked, -1))
             ran = ran + running
             running = running & ~stops & (k + 1 < plan.steps)

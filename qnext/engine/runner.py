@@ -197,15 +197,12 @@ class ModelRunner:
                             it.seq.request_index) for it in items]
 
     def execute_multi(self, items: list[ScheduledSequence], steps: list[int], captures: list[dict[int, int]],
-                      stop_ids: list[list[int]], stop_from: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Runs up to num_scheduler_steps decode steps in one call (see multi_step.py). Per item: `steps`
-        tokens at most, `captures` {step: snapshot row}, the token ids that stop it and its first step where they
-        may. The items' block tables must already hold every token they may run. Returns (tokens [K, items],
-        ran [items]): item i's tokens are tokens[:ran[i], i]."""
-        k = self.config.num_scheduler_steps
-        segments = [Segment(token_ids=it.seq.token_slice(it.start, it.end), start=it.start,
-                            block_table=self.cache.block_table(it.seq.request_id), read_row=it.seq.read_row,
-                            write_row=it.seq.state_row) for it in items]
+                      stop_ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Runs up to num_scheduler_steps decode steps in one call (see multi_step.py). Per item: `steps` tokens
+        at most, `captures` {step: snapshot row} and the token ids that stop it. The items' block tables must
+        already hold every token they may run. Returns (tokens [K, items], ran [items]): item i's tokens are
+        tokens[:ran[i], i]."""
+        segments = self._segments(items, {})            # captures come per step, from the plan
         bucket = self.bucket_for(segments)
         sizes = bucket.sizes
         assert sizes.num_chunks == 0 and sizes.num_decode == sizes.num_tokens, "a multi-step call needs a decode bucket"
@@ -214,10 +211,8 @@ class ModelRunner:
         width = 4
         while width < max(len(ids) for ids in stop_ids):     # a few widths, each one compilation
             width *= 2
-        plan = MultiStepInputs(steps=np.zeros(d, np.int32), capture_row=np.zeros((k, d), np.int32),
-                               stop_ids=np.full((d, width), -1, np.int32), stop_from=np.zeros(d, np.int32))
+        plan = MultiStepInputs.idle(self.config.num_scheduler_steps, d, width)
         plan.steps[:m] = steps
-        plan.stop_from[:m] = stop_from
         for i, (rows, ids) in enumerate(zip(captures, stop_ids)):
             for step, row in rows.items():
                 plan.capture_row[step, i] = row
@@ -245,11 +240,7 @@ class ModelRunner:
             inputs = build_step_inputs(segments, s, block_size=self.config.block_size, chunk=bucket.chunk)
             logits, _, self.buffers = self._step(self.params, self.buffers, inputs)
             if self._multi_step is not None and not s.num_chunks:     # decode buckets also run multi-step
-                k = self.config.num_scheduler_steps
-                plan = MultiStepInputs(steps=np.zeros(s.num_decode, np.int32),
-                                       capture_row=np.zeros((k, s.num_decode), np.int32),
-                                       stop_ids=np.full((s.num_decode, 4), -1, np.int32),
-                                       stop_from=np.zeros(s.num_decode, np.int32))
+                plan = MultiStepInputs.idle(self.config.num_scheduler_steps, s.num_decode)
                 _, _, self.buffers = self._multi_step(self.params, self.buffers, inputs, plan, None)  # runs no step
                 tensors, _ = self.sampler_inputs.build([SamplingRow("warm-up", _WARM_UP_SAMPLING[1], [0], [], 0)],
                                                        s.num_decode)
