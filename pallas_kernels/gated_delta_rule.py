@@ -218,9 +218,12 @@ def recurrent_gated_delta_rule_reference(q, k, v, g, beta, state, read_row, writ
 
 def _recurrent_batched(q, k, v, decay, beta, state, read_row, write_row, capture_row):
     s = _gather_rows(state, read_row)
-    reads = jnp.einsum("nhkj,nhkv->nhjv", jnp.stack([k, q], axis=-1), s, precision=_HIGHEST)
-    delta = beta[..., None] * (v - decay * reads[..., 0, :])
-    o = decay * reads[..., 1, :] + jnp.sum(k * q, axis=-1, keepdims=True) * delta
+    # S^T k and S^T q [N, Hv, 2, dv] as a multiply-reduce, not a batched dot: XLA:CPU pays per batch of its dots
+    # (tiny model, one layer: 16 rows 44 -> 10 us, 64 rows 194 -> 31 us; tiny b64 decode call of 8 steps ~46 ->
+    # ~34 ms, side by side).
+    reads = jnp.sum(jnp.stack([k, q], axis=-2)[..., None] * s[:, :, None], axis=-2)
+    delta = beta[..., None] * (v - decay * reads[:, :, 0])
+    o = decay * reads[:, :, 1] + jnp.sum(k * q, axis=-1, keepdims=True) * delta
     s = decay[..., None] * s + k[..., :, None] * delta[..., None, :]
     return o, _scatter_rows(state, s, write_row, capture_row)
 
