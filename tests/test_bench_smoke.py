@@ -7,14 +7,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_bench_quick_writes_json_and_plot(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])    # bfloat16: the GPU run's dtype, here on CPU
+def test_bench_quick_writes_json_and_plot(tmp_path, dtype):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--out-dir",
-                           str(tmp_path / "bench_out"), "--json-out", str(out), "--plot", str(png)],
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick", "--dtype", dtype,
+                           "--out-dir", str(tmp_path / "bench_out"), "--json-out", str(out), "--plot", str(png)],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "batch qnext tok/s" in proc.stdout
@@ -22,6 +25,7 @@ def test_bench_quick_writes_json_and_plot(tmp_path):
 
     report = json.loads(out.read_text())
     assert {"dtype", "machine", "results", "targets", "seconds"} <= report.keys()
+    assert report["dtype"] == dtype
     (tiny,) = report["results"]
     assert tiny["model"] == "tiny"
     assert {"gemm", "offline", "host", "chat", "flops_per_token_matmul", "engine_options", "compile"} <= tiny.keys()
