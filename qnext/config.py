@@ -68,6 +68,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
+    tensor_parallel_size: int = 1  # > 1 only in the per-device config of a sharded model (tensor_parallel.py)
 
     # ---- derived sizes -------------------------------------------------------------------------------------------
     @property

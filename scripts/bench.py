@@ -37,6 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from qnext.model.host_devices import request_host_devices  # noqa: E402
 from qnext.testing.bench_configs import PRESETS, bench_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +80,8 @@ def parse_args(argv=None):
     ap.add_argument("--one-step-baseline", action="store_true",
                     help="also run qnext with one decode step per call, alternating with the others, and report "
                          "what several steps per call buy")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="qnext's tensor parallelism (the engine option; on CPU that many XLA host devices)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default=str(ROOT / "bench_out"), help="checkpoints and the compilation cache")
     ap.add_argument("--json-out", default=None)
@@ -404,7 +407,7 @@ def engine_options(args, batches: list[int], budget: int, enable_prefix_caching:
     seqs = max(batches + [1])
     return dict(max_num_seqs=seqs, max_num_batched_tokens=max(budget, seqs), max_model_len=max_len, block_size=16,
                 dtype=args.dtype, seed=args.seed, max_num_snapshots=2 * seqs,
-                num_scheduler_steps=args.num_scheduler_steps,
+                num_scheduler_steps=args.num_scheduler_steps, tensor_parallel_size=args.tensor_parallel_size,
                 enable_prefix_caching=enable_prefix_caching)
 
 
@@ -706,6 +709,7 @@ def plot(report: dict, path: str) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    request_host_devices(args.tensor_parallel_size)     # before JAX starts
     t0 = time.perf_counter()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -44,12 +44,17 @@ def parse_args(argv=None):
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="decode steps per jitted call (more: fewer host round trips, burstier streaming)")
     p.add_argument("--no-warm-up", action="store_true", help="compile step shapes lazily instead of up front")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices the model's heads are split over (on CPU: that many XLA host devices)")
     return p.parse_args(argv)
 
 
 def build_llm(args):
     from tqdm import tqdm
 
+    from qnext.model.host_devices import request_host_devices
+
+    request_host_devices(args.tensor_parallel_size)     # before JAX starts
     import qnext
     from qnext.testing.tiny_checkpoint import demo_checkpoint_dir
 
@@ -61,7 +66,8 @@ def build_llm(args):
         llm = qnext.LLM(model, dtype=args.dtype, max_num_seqs=1, max_model_len=args.max_model_len,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-                        num_scheduler_steps=args.num_scheduler_steps)
+                        num_scheduler_steps=args.num_scheduler_steps,
+                        tensor_parallel_size=args.tensor_parallel_size)
         bar.update()
     if not args.no_warm_up:
         runner = llm.engine.runner

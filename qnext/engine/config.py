@@ -21,9 +21,11 @@ class EngineConfig:
     prefill_chunk: int | None = None          # rows per prefill group of the delta-rule kernel; None: by backend
     max_prefill_groups_extra: int = 8         # prefill groups a step may have beyond tokens / chunk
     num_scheduler_steps: int = 1              # decode steps per jitted call (1: one step per call)
+    tensor_parallel_size: int = 1             # devices the model's heads are split over (tensor_parallel.py)
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk", "num_scheduler_steps"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk", "num_scheduler_steps",
+                     "tensor_parallel_size"):
             value = getattr(self, name)
             if name == "prefill_chunk" and value is None:
                 continue

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import logging
 import time
@@ -19,7 +20,8 @@ from qnext.engine.scheduler import Scheduler
 from qnext.engine.sequence import Sequence, SequenceStatus
 from cache.device_buffers import allocate_cache_buffers, num_state_rows
 from qnext.model.cache_buffers import cache_layout
-from qnext.model.loader import load_params
+from qnext.model.loader import convert_checkpoint, load_params
+from qnext.model.tensor_parallel import local_config, make_mesh, shard_params, sharded_buffers
 from qnext.model.weights import as_dtype
 from qnext.outputs import CompletionOutput, RequestMetrics, RequestOutput, logprobs_entry
 from qnext.sampling_params import SamplingParams
@@ -55,7 +57,13 @@ class LLMEngine:
         say = progress or (lambda msg: None)
         say("loading weights")
         dtype = as_dtype(self.config.dtype)
-        params = load_params(model, cfg, dtype)
+        tp = self.config.tensor_parallel_size
+        if tp > 1:                       # host arrays, then each device gets only its shard
+            local_config(cfg, tp)        # the heads must divide: checked before anything is read
+            mesh = make_mesh(tp)
+            params = shard_params(convert_checkpoint(model, cfg, dtype), cfg, mesh)
+        else:
+            params = load_params(model, cfg, dtype)
 
         c = self.config
         blocks_per_seq = -(-self.max_model_len // c.block_size)
@@ -76,8 +84,9 @@ class LLMEngine:
         self.cache = CacheManager(CacheConfig(block_size=c.block_size, num_blocks=num_blocks + 1,
                                               num_live_slots=c.max_num_seqs, num_snapshot_slots=num_snapshots,
                                               enable_prefix_caching=c.enable_prefix_caching, hybrid=hybrid))
-        buffers = allocate_cache_buffers(layout, num_blocks=num_blocks + 1, block_size=c.block_size,
-                                         num_state_rows=num_state_rows(c.max_num_seqs, num_snapshots))
+        allocate = functools.partial(allocate_cache_buffers, layout, num_blocks=num_blocks + 1, block_size=c.block_size,
+                                     num_state_rows=num_state_rows(c.max_num_seqs, num_snapshots))
+        buffers = sharded_buffers(allocate, mesh) if tp > 1 else allocate()
         self.runner = ModelRunner(cfg, params, buffers, c, self.max_model_len, self.cache)
         self.scheduler = Scheduler(c, self.cache, self.runner.new_layout)
         self.requests: dict[str, Sequence] = {}

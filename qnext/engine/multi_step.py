@@ -29,6 +29,7 @@ from qnext.config import ModelConfig
 from qnext.engine.sampler import SamplingTensors, first_argmax, sample
 from qnext.model.forward import forward
 from qnext.model.step_inputs import StepInputs
+from qnext.model.tensor_parallel import local_config, shard_step
 
 
 @jax.tree_util.register_dataclass
@@ -64,9 +65,12 @@ def _step_inputs(first: StepInputs, k, tokens, running, capture_row, block_size:
 
 
 @functools.lru_cache(maxsize=None)
-def make_multi_step(cfg: ModelConfig, num_steps: int, block_size: int):
+def make_multi_step(cfg: ModelConfig, num_steps: int, block_size: int, tensor_parallel_size: int = 1):
     """jit(params, buffers, inputs, plan, sampling) -> (tokens [K, D] int32, ran [D] int32 steps each row ran,
-    buffers); sampling: the rows' SamplingTensors, or None when every row is greedy. Cache buffers are donated."""
+    buffers); sampling: the rows' SamplingTensors, or None when every row is greedy. Cache buffers are donated.
+    With tensor_parallel_size > 1, each device runs its shard of the model and all of the rest (as make_engine_step)."""
+    local = local_config(cfg, tensor_parallel_size)
+
     def run(params, buffers, inputs: StepInputs, plan: MultiStepInputs, sampling: SamplingTensors | None):
         d = plan.steps.shape[0]
 
@@ -78,7 +82,7 @@ def make_multi_step(cfg: ModelConfig, num_steps: int, block_size: int):
         def body(carry):
             k, running, tokens, out, ran, buffers = carry
             step = _step_inputs(inputs, k, tokens, running, plan.capture_row[k], block_size)
-            logits, buffers = forward(params, buffers, step, cfg)
+            logits, buffers = forward(params, buffers, step, local)
             picked = pick(logits, k)
             stops = jnp.any(picked[:, None] == plan.stop_ids, axis=1)
             out = out.at[k].set(jnp.where(running, picked, -1))
@@ -94,4 +98,4 @@ def make_multi_step(cfg: ModelConfig, num_steps: int, block_size: int):
         _, _, _, out, ran, buffers = jax.lax.while_loop(more, body, carry)
         return out, ran, buffers
 
-    return jax.jit(run, donate_argnums=(1,))
+    return jax.jit(shard_step(run, tensor_parallel_size, 2), donate_argnums=(1,))

@@ -25,21 +25,25 @@ from qnext.engine.sampler import SamplerInputBuilder, SamplingRow, first_argmax,
 from qnext.engine.scheduler import ScheduledSequence
 from qnext.model.forward import forward
 from qnext.model.step_inputs import LayoutSizes, Segment, build_step_inputs, group_bounds, required_sizes
+from qnext.model.tensor_parallel import local_config, shard_step
 from qnext.sampling_params import SamplingParams
 
 
 @functools.lru_cache(maxsize=None)
-def make_engine_step(cfg: ModelConfig):
+def make_engine_step(cfg: ModelConfig, tensor_parallel_size: int = 1):
     """The model step that also returns the greedy token of every logits row (first_argmax of the raw logits, the
     sampler's own greedy pick): a batch whose rows are all greedy, with no logprobs, penalties or suppressed ids,
     takes its tokens from there and skips the sampler's dispatch and input transfers (bench, tiny model, 16 rows:
     sampling and transfer 0.74 -> 0.3-0.4 ms of a ~3-5 ms step). One per config, so engines of the same model
-    share compilations; cache buffers are donated."""
+    share compilations; cache buffers are donated. With tensor_parallel_size > 1 the params and buffers are the
+    sharded ones of tensor_parallel.py and each device runs its shard of the step."""
+    local = local_config(cfg, tensor_parallel_size)
+
     def step(params, buffers, inputs):
-        logits, buffers = forward(params, buffers, inputs, cfg)
+        logits, buffers = forward(params, buffers, inputs, local)
         return logits, first_argmax(logits), buffers
 
-    return jax.jit(step, donate_argnums=(1,))
+    return jax.jit(shard_step(step, tensor_parallel_size, 2), donate_argnums=(1,))
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))
@@ -84,8 +88,9 @@ class ModelRunner:
         self.config = config
         self.cache = cache
         self.max_blocks = -(-max_model_len // config.block_size)
-        self._step = make_engine_step(cfg)
-        self._multi_step = (make_multi_step(cfg, config.num_scheduler_steps, config.block_size)
+        self._step = make_engine_step(cfg, config.tensor_parallel_size)
+        self._multi_step = (make_multi_step(cfg, config.num_scheduler_steps, config.block_size,
+                                            config.tensor_parallel_size)
                             if config.num_scheduler_steps > 1 else None)
         self.sampler_inputs = SamplerInputBuilder(cfg.vocab_size, cfg.eos_token_ids, seed=config.seed)
         # Decode-only buckets start at 2 rows: with a single row XLA turns the row scatters into dynamic updates

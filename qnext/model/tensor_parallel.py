@@ -1,0 +1,164 @@
+"""Tensor parallelism over heads (Megatron-style), for the devices of one host.
+
+With tensor_parallel_size = tp, device r holds 1/tp of every layer's heads: the r-th part of each attention /
+DeltaNet head group (query, gate, key and value heads; DeltaNet value heads v*r.. with the key heads they use) and
+of the MLP's intermediate units, and the matching rows of the cache buffers (KV pages per kv head, conv channels,
+recurrent state heads). Column-parallel projections (qkv_proj, in_proj, gate_up) produce the local heads, the
+mixers run on them unchanged (the model code sees a config with 1/tp of the heads), and row-parallel projections
+(o_proj, out_proj, down) produce partial sums that one all-reduce per mixer and per MLP adds up, in float32.
+Embedding, norms and router are replicated; lm_head is split by vocab rows and the logits gathered whole, and
+everything outside the layers (sampling included) runs replicated, so every device picks the same tokens.
+
+On CPU the devices are XLA host devices (XLA_FLAGS=--xla_force_host_platform_device_count=N, set before JAX
+starts), which run their shards concurrently: the single-threaded parts of a step (the DeltaNet state update and
+chunk loops, paged attention, the conv) then use every core, where one device runs them on one.
+
+Fused projections concatenate several segments along their output axis (qkv_proj: q | gate | k | v); sharding
+takes each segment's r-th part for device r, so the weights are re-ordered once at load: device-major, then
+segment, then the segment's own order. A bias added after a row-parallel projection (o_bias) is divided by tp
+(exact for powers of two), as every device adds it before the all-reduce.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from cache.device_buffers import CacheBuffers
+from qnext.config import ModelConfig
+
+AXIS = "tp"
+
+# param name -> the sharded axis; every other param is replicated
+_SHARDED_AXIS = {
+    "qkv_proj": 0, "qkv_bias": 0, "o_proj": 1,                                      # full attention
+    "in_proj": 0, "conv_weight": 0, "A_log": 0, "dt_bias": 0, "out_proj": 1,       # gated DeltaNet
+    "gate_up": 0, "down": 1,                                                        # dense MLP
+    "experts_gate_up": 2, "experts_down": 1, "shared_gate_up": 0, "shared_down": 1,  # MoE
+    "lm_head": 0,                                                                   # by vocab rows
+}
+
+
+def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The config one device's shard of the model sees: 1/tp of the heads, intermediate units and lm_head rows
+    (its vocab_size is the device's part of the logits, gathered whole at the end of the step)."""
+    if tp == 1:
+        return cfg
+    sizes = {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+             "linear_num_key_heads": cfg.linear_num_key_heads, "linear_num_value_heads": cfg.linear_num_value_heads,
+             "vocab_size": cfg.vocab_size}
+    if cfg.num_experts == 0 or len(cfg.mlp_only_layers):
+        sizes["intermediate_size"] = cfg.intermediate_size
+    if cfg.num_experts:
+        sizes["moe_intermediate_size"] = cfg.moe_intermediate_size
+        sizes["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+    for name, value in sizes.items():
+        if value % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide the model's {name} ({value})")
+    return dataclasses.replace(cfg, **{k: v // tp for k, v in sizes.items()}, tensor_parallel_size=tp)
+
+
+def make_mesh(tp: int) -> Mesh:
+    devices = jax.devices()
+    if len(devices) < tp:
+        hint = (f"; on CPU, start with XLA_FLAGS=--xla_force_host_platform_device_count={tp}"
+                if devices[0].platform == "cpu" else "")
+        raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices, JAX sees {len(devices)} "
+                         f"({devices[0].platform}){hint}")
+    return Mesh(np.array(devices[:tp]), (AXIS,))
+
+
+def all_reduce(partial, cfg: ModelConfig):
+    """Sum of the devices' partial outputs of a row-parallel projection (identity without tensor parallelism)."""
+    if cfg.tensor_parallel_size == 1:
+        return partial
+    return jax.lax.psum(partial.astype(jnp.float32), AXIS).astype(partial.dtype)
+
+
+def gather_vocab(logits, cfg: ModelConfig):
+    """Every device's logits [M, V / tp] -> the whole [M, V] on every device (identity without tensor parallelism)."""
+    if cfg.tensor_parallel_size == 1:
+        return logits
+    return jax.lax.all_gather(logits, AXIS, axis=1, tiled=True)
+
+
+def _spec(axis: int | None) -> P:
+    return P() if axis is None else P(*([None] * axis), AXIS)
+
+
+def param_specs(params) -> dict:
+    """PartitionSpecs for a params tree (by param name)."""
+    def spec(path, leaf):
+        return _spec(_SHARDED_AXIS.get(getattr(path[-1], "key", None)))
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def buffer_specs(buffers: CacheBuffers) -> CacheBuffers:
+    """KV pages [Hkv, ...] by kv head, conv state [R, K-1, conv_dim] by channel, recurrent [R, Hv, dk, dv] by head."""
+    return CacheBuffers(kv=tuple((_spec(0), _spec(0)) for _ in buffers.kv), conv=tuple(_spec(2) for _ in buffers.conv),
+                        recurrent=tuple(_spec(1) for _ in buffers.recurrent))
+
+
+def _segments(name: str, cfg: ModelConfig) -> list[int] | None:
+    """Sizes of the fused segments along the sharded axis (global config), for the params that fuse several."""
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    return {
+        "qkv_proj": [hq * d, hq * d, hkv * d, hkv * d], "qkv_bias": [hq * d, hq * d, hkv * d, hkv * d],
+        "in_proj": [cfg.key_dim, cfg.key_dim, cfg.value_dim, cfg.value_dim, cfg.linear_num_value_heads,
+                    cfg.linear_num_value_heads],
+        "conv_weight": [cfg.key_dim, cfg.key_dim, cfg.value_dim],
+        "gate_up": [cfg.intermediate_size] * 2, "shared_gate_up": [cfg.shared_expert_intermediate_size] * 2,
+        "experts_gate_up": [cfg.moe_intermediate_size] * 2,
+    }.get(name)
+
+
+def _device_major(x, axis: int, segments: list[int], tp: int):
+    """Re-orders the fused segments along `axis` so that the r-th 1/tp of the axis holds every segment's r-th part."""
+    parts = np.split(x, np.cumsum(segments)[:-1], axis=axis)
+    per_device = [np.split(p, tp, axis=axis) for p in parts]
+    return np.concatenate([per_device[j][r] for r in range(tp) for j in range(len(parts))], axis=axis)
+
+
+def shard_params(params, cfg: ModelConfig, mesh: Mesh):
+    """Host (numpy) params of the global cfg -> device arrays, each device holding its shard: the fused params
+    re-ordered device-major, every param placed with its sharding."""
+    tp = mesh.shape[AXIS]
+    specs = param_specs(params)
+
+    def place(path, leaf, spec):
+        name = getattr(path[-1], "key", None)
+        segments = _segments(name, cfg)
+        if segments is not None:
+            leaf = _device_major(leaf, _SHARDED_AXIS[name], segments, tp)
+        if name == "o_bias":
+            leaf = leaf / tp
+        return jax.device_put(leaf, NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(place, params, specs)
+
+
+def sharded_buffers(allocate, mesh: Mesh) -> CacheBuffers:
+    """The buffers `allocate()` would make, zeros made directly in their shards (no device holds them whole)."""
+    shapes = jax.eval_shape(allocate)
+    specs = buffer_specs(shapes)
+    return jax.tree.map(lambda a, s: jnp.zeros(a.shape, a.dtype, device=NamedSharding(mesh, s)), shapes, specs)
+
+
+def shard_step(fn, tp: int, num_replicated: int):
+    """fn(params, buffers, *rest) -> (*replicated outputs, buffers), run as one shard per device on `tp` devices
+    (fn sees one device's shard: the local config's shapes). `num_replicated`: the outputs before the buffers."""
+    if tp == 1:
+        return fn
+    mesh = make_mesh(tp)
+
+    def sharded(params, buffers, *rest):
+        bspec = buffer_specs(buffers)
+        # check_vma off: the kernels' loops carry values that are per-device (the state) next to replicated ones
+        return jax.shard_map(fn, mesh=mesh, in_specs=(param_specs(params), bspec) + (P(),) * len(rest),
+                             out_specs=(P(),) * num_replicated + (bspec,), check_vma=False)(params, buffers, *rest)
+
+    return sharded
