@@ -50,7 +50,7 @@ def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     sizes = {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
              "linear_num_key_heads": cfg.linear_num_key_heads, "linear_num_value_heads": cfg.linear_num_value_heads,
              "vocab_size": cfg.vocab_size}
-    if cfg.num_experts == 0 or len(cfg.mlp_only_layers):
+    if any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):      # a layer with the dense MLP
         sizes["intermediate_size"] = cfg.intermediate_size
     if cfg.num_experts:
         sizes["moe_intermediate_size"] = cfg.moe_intermediate_size
