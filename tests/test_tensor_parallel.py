@@ -106,3 +106,16 @@ def test_engine_rejects_bad_tensor_parallel_size(tiny_checkpoint):
 
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         qnext.LLM(tiny_checkpoint("qwen3_5"), tensor_parallel_size=0)
+
+
+def test_request_host_devices_keeps_a_count_already_set(monkeypatch):
+    from qnext.model.host_devices import request_host_devices
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1")
+    request_host_devices(2)
+    assert os.environ["XLA_FLAGS"] == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=2"
+    request_host_devices(4)                                   # a count is set: left alone
+    assert os.environ["XLA_FLAGS"].endswith("device_count=2")
+    monkeypatch.delenv("XLA_FLAGS")
+    request_host_devices(1)
+    assert "XLA_FLAGS" not in os.environ
