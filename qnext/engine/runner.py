@@ -167,8 +167,7 @@ class ModelRunner:
         out = {}
         if not sampling:
             return out
-        sampling_rows = [SamplingRow(it.seq.request_id, it.seq.params, it.seq.prompt_token_ids,
-                                     it.seq.output_token_ids, it.seq.request_index) for _, it in sampling]
+        sampling_rows = self._sampling_rows([it for _, it in sampling])
         if self.sampler_inputs.plain_greedy(sampling_rows):
             tokens = np.asarray(greedy).tolist()     # (jax.device_get costs ~40 us more a step)
             for i, it in sampling:              # logprob 0 and rank 1, as the sampler reports without logprobs
