@@ -38,6 +38,8 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    num_lost_to_missing_state_tokens: int = 0   # prompt tokens whose KV matched the cache but were recomputed for
+                                                # want of a state snapshot (a hybrid prefix miss)
 
 
 @dataclass

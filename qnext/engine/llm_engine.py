@@ -152,6 +152,19 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def cache_stats(self):
+        """The prefix cache's counters (cache.CacheStats): tokens reused / lost to a missing state, snapshots."""
+        return self.cache.stats
+
     # ---- the step --------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns an output for every request that produced a token or finished."""
@@ -277,7 +290,8 @@ class LLMEngine:
                                       else None, logprobs=seq.logprobs, finish_reason=seq.finish_reason,
                                       stop_reason=seq.stop_reason)
         metrics = RequestMetrics(arrival_time=seq.arrival_time, first_scheduled_time=seq.first_scheduled_time,
-                                 first_token_time=seq.first_token_time)
+                                 first_token_time=seq.first_token_time,
+                                 num_lost_to_missing_state_tokens=seq.num_lost_to_missing_state_tokens)
         return RequestOutput(request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
                              outputs=[completion], finished=seq.is_finished,
                              num_cached_tokens=seq.num_cached_tokens or 0, metrics=metrics)

@@ -128,6 +128,7 @@ class Scheduler:
         seq.num_computed_tokens = admission.num_cached_tokens
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = admission.num_cached_tokens
+            seq.num_lost_to_missing_state_tokens = admission.kv_matched_tokens - admission.num_cached_tokens
         seq.state_row = admission.state_row
         seq.read_row = -1 if admission.restore_row is None else admission.restore_row
         seq.capture_positions = tuple(self.cache.capture_positions(seq.request_id))

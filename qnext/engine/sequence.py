@@ -27,6 +27,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None     # from the first admission; what the user sees
+    num_lost_to_missing_state_tokens: int = 0   # KV matched at that admission but recomputed for want of a state
     state_row: int = 0
     read_row: int = -1                       # state the next step starts from (-1: zero state)
     capture_positions: tuple[int, ...] = ()
