@@ -4,12 +4,18 @@ Every usable block (ids 1..num_blocks-1; block 0 is the dummy that padding write
 - referenced: ref_count > 0, held by the block tables of running sequences (a cached block can be referenced too);
 - cached: unreferenced but still published under its chain hash, so it stays matchable until it is evicted;
 - free: unreferenced and unpublished.
-Published blocks form a trie (each knows its parent hash and its number of cached children). Only unreferenced
+Published blocks form a trie (each knows its parent block and its number of cached children). Only unreferenced
 leaves are evicted, least recently used first, so the ancestors of a cached block are always cached: a prefix
-match of depth k means blocks 1..k are all resident. Leaves marked `protected` (the cache manager marks the
-terminal blocks of mamba snapshots) go only when no unprotected leaf is left: for a hybrid model a KV tail past
-the deepest snapshot cannot be reused without recomputing it, so it is cheaper to lose. Every eviction path
-reports the evicted ids to `on_evict` (the cache manager invalidates the mamba snapshots tied to them).
+match of depth k means blocks 1..k are all resident. A hit is confirmed by the block's tokens and its parent link,
+so a hash collision can never splice another prefix's block into a chain. Leaves marked `protected` (the cache
+manager marks the terminal blocks of mamba snapshots) go only when no unprotected leaf is left: for a hybrid model
+a KV tail past the deepest snapshot cannot be reused without recomputing it, so it is cheaper to lose. Every
+eviction path reports the evicted ids to `on_evict` (the cache manager invalidates the mamba snapshots tied to them).
+
+Contract that makes `num_available` exact: a block is published only under a referenced parent, and a caller
+releases a chain's blocks together (the cache manager holds every block of a sequence's published chain until
+`free`). Then no unreferenced cached block has a referenced descendant, leaf eviction reaches every one of them,
+and an allocation that cannot be served fails before it evicts anything.
 """
 import heapq
 from collections import deque
@@ -19,14 +25,13 @@ NULL_BLOCK = 0
 
 
 class _Block:
-    __slots__ = ("block_id", "ref_count", "hash", "parent_hash", "token_ids", "num_children", "last_used",
-                 "protected")
+    __slots__ = ("block_id", "ref_count", "hash", "parent", "token_ids", "num_children", "last_used", "protected")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash: bytes | None = None
-        self.parent_hash: bytes | None = None
+        self.parent: int | None = None
         self.token_ids: tuple[int, ...] | None = None
         self.num_children = 0
         self.last_used = 0
@@ -61,7 +66,7 @@ class BlockPool:
 
     @property
     def num_available(self) -> int:
-        """Free blocks plus unreferenced cached ones (an upper bound on what allocation can reach by evicting)."""
+        """Free blocks plus unreferenced cached ones: exactly what allocation can reach (module contract)."""
         return len(self._free) + self._num_unreferenced_cached
 
     @property
@@ -81,20 +86,33 @@ class BlockPool:
     def block_tokens(self, block_id: int) -> tuple[int, ...] | None:
         return self._blocks[block_id].token_ids
 
+    def parent_of(self, block_id: int) -> int | None:
+        return self._blocks[block_id].parent
+
     def is_free(self, block_id: int) -> bool:
         b = self._blocks[block_id]
         return b.ref_count == 0 and b.hash is None and block_id != NULL_BLOCK
 
     # ---- matching and references ----------------------------------------------------------------------------------
+    def cached_child(self, parent: int | None, block_hash: bytes, token_ids: Sequence[int]) -> int | None:
+        """The cached block for `block_hash` if it continues `parent` (None: a first block) with exactly these tokens;
+        None if the hash is not cached or collides with another prefix's block."""
+        block_id = self._by_hash.get(block_hash)
+        if block_id is None:
+            return None
+        b = self._blocks[block_id]
+        if b.parent != parent or b.token_ids != tuple(token_ids):
+            return None
+        return block_id
+
     def match(self, hashes: Sequence[bytes], token_ids: Sequence[int], block_size: int) -> list[int]:
-        """Cached blocks for the longest prefix of `hashes` whose stored tokens equal `token_ids` (hash + compare)."""
-        matched = []
+        """Cached blocks for the longest prefix of `hashes` whose chain links and stored tokens match `token_ids`."""
+        matched: list[int] = []
         for i, h in enumerate(hashes):
-            block_id = self._by_hash.get(h)
+            block_id = self.cached_child(matched[-1] if matched else None, h,
+                                         token_ids[i * block_size:(i + 1) * block_size])
             if block_id is None:
                 break
-            if self._blocks[block_id].token_ids != tuple(token_ids[i * block_size:(i + 1) * block_size]):
-                break  # hash collision: never serve a block whose tokens differ
             matched.append(block_id)
         return matched
 
@@ -110,10 +128,15 @@ class BlockPool:
             b.ref_count += 1
             b.last_used = self._clock
 
+    def can_allocate(self, n: int, shared: Sequence[int] = ()) -> bool:
+        """Whether n fresh blocks can be had after acquiring `shared` (cached blocks a new sequence will share)."""
+        return n <= self.num_available - sum(1 for block_id in shared if self._blocks[block_id].ref_count == 0)
+
     def allocate(self, n: int) -> list[int] | None:
-        """n fresh unpublished blocks (ref 1), evicting LRU unreferenced leaves if needed; None (and no change) if
-        they cannot be had."""
-        if n > self.num_available:
+        """n fresh unpublished blocks (ref 1), evicting LRU unreferenced leaves if needed; None, with nothing evicted
+        or changed, if they cannot be had."""
+        available = self.num_available
+        if n > available:
             return None
         out: list[int] = []
         evicted: list[int] = []
@@ -123,15 +146,14 @@ class BlockPool:
             else:
                 block_id = self._evict_one()
                 if block_id is None:
-                    break
+                    raise RuntimeError(f"num_available={available} but only {len(out)} of {n} "
+                                       "blocks could be had: an unreferenced cached block has a referenced "
+                                       "descendant (publish only under a referenced parent, release chains whole)")
                 evicted.append(block_id)
             self._blocks[block_id].ref_count = 1
             out.append(block_id)
         if evicted:
             self.on_evict(evicted)
-        if len(out) < n:  # unreferenced blocks pinned under referenced descendants: give back what we took
-            self.release(out)
-            return None
         return out
 
     def release(self, block_ids: Iterable[int]) -> None:
@@ -153,20 +175,23 @@ class BlockPool:
                     self._push_leaf(b)
 
     # ---- publishing -----------------------------------------------------------------------------------------------
-    def publish(self, block_id: int, block_hash: bytes, parent_hash: bytes | None, token_ids: Sequence[int]) -> bool:
-        """Make a referenced, fully written block matchable. False if the hash is already cached (the block stays
-        private). The parent must be cached. Trims the cache to max_cached_blocks afterwards."""
+    def publish(self, block_id: int, block_hash: bytes, parent: int | None, token_ids: Sequence[int]) -> bool:
+        """Make a referenced, fully written block matchable as the child of `parent` (the cached block of the previous
+        chain position; None for a first block). False if the hash is already cached (the block stays private). The
+        parent must be cached and referenced (module contract). Trims the cache to max_cached_blocks afterwards."""
         if block_hash in self._by_hash:
             return False
         b = self._blocks[block_id]
         if b.ref_count == 0 or b.hash is not None:
             raise ValueError(f"block {block_id} must be referenced and unpublished to be published")
-        if parent_hash is not None:
-            parent_id = self._by_hash.get(parent_hash)
-            if parent_id is None:
-                raise ValueError(f"block {block_id}: parent hash is not cached; publish blocks in chain order")
-            self._blocks[parent_id].num_children += 1
-        b.hash, b.parent_hash, b.token_ids = block_hash, parent_hash, tuple(token_ids)
+        if parent is not None:
+            p = self._blocks[parent]
+            if p.hash is None or p.ref_count == 0:
+                raise ValueError(f"block {block_id}: parent block {parent} must be cached and referenced "
+                                 f"(hash cached: {p.hash is not None}, ref_count {p.ref_count}); publish in chain "
+                                 "order while holding the chain")
+            p.num_children += 1
+        b.hash, b.parent, b.token_ids = block_hash, parent, tuple(token_ids)
         self._clock += 1
         b.last_used = self._clock
         self._by_hash[block_hash] = block_id
@@ -207,7 +232,7 @@ class BlockPool:
         evicted = list(self._by_hash.values())
         for block_id in evicted:
             b = self._blocks[block_id]
-            b.hash = b.parent_hash = b.token_ids = None
+            b.hash = b.parent = b.token_ids = None
             b.num_children = 0
             b.protected = False
             if b.ref_count == 0:
@@ -247,12 +272,12 @@ class BlockPool:
         if b is not None:
             block_id = b.block_id
             del self._by_hash[b.hash]
-            if b.parent_hash is not None:
-                parent = self._blocks[self._by_hash[b.parent_hash]]
+            if b.parent is not None:
+                parent = self._blocks[b.parent]
                 parent.num_children -= 1
                 if self._evictable(parent):
                     self._push_leaf(parent)
-            b.hash = b.parent_hash = b.token_ids = None
+            b.hash = b.parent = b.token_ids = None
             b.protected = False
             self._num_unreferenced_cached -= 1
             return block_id

@@ -1,9 +1,11 @@
 """Chained block hashes: stable across processes (blake2b, not Python's salted `hash`)."""
 from array import array
 from hashlib import blake2b
-from typing import Sequence
+from typing import Callable, Sequence
 
 HASH_BYTES = 16
+
+BlockHashFn = Callable[[bytes | None, Sequence[int]], bytes]  # (parent hash or None, tokens of one block) -> hash
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
@@ -13,16 +15,17 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> by
     return h.digest()
 
 
-def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int, num_blocks: int) -> list[bytes]:
+def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int, num_blocks: int,
+                        hash_fn: BlockHashFn = hash_block_tokens) -> list[bytes]:
     """Append the chain hashes of full blocks len(hashes)..num_blocks-1 of `token_ids` to `hashes` (in place)."""
     if num_blocks * block_size > len(token_ids):
         raise ValueError(f"{num_blocks} blocks of {block_size} tokens need {num_blocks * block_size} tokens; "
                          f"got {len(token_ids)}")
     for i in range(len(hashes), num_blocks):
-        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[i * block_size:(i + 1) * block_size]))
+        hashes.append(hash_fn(hashes[-1] if hashes else None, token_ids[i * block_size:(i + 1) * block_size]))
     return hashes
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+def block_hashes(token_ids: Sequence[int], block_size: int, hash_fn: BlockHashFn = hash_block_tokens) -> list[bytes]:
     """Chain hashes of every full block of `token_ids` (a partial tail block has no hash)."""
-    return extend_block_hashes([], token_ids, block_size, len(token_ids) // block_size)
+    return extend_block_hashes([], token_ids, block_size, len(token_ids) // block_size, hash_fn)

@@ -4,34 +4,23 @@ Per step the engine calls: admit (new sequence) -> capture_positions / reserve_c
 decode_capture_row (decode, at a block boundary; decode_tracking_row before a multi-step call, decode_capture_row
 after it for the boundary reached) -> append_slots (decode growth) -> [the step runs] ->
 commit (publish what the step wrote) -> free (finish / abort / preempt). Nothing becomes matchable or restorable
-before the commit of the step that wrote it.
+before the commit of the step that wrote it. What is kept and evicted first is the policy's (cache/policy.py).
 """
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 from cache.block_pool import BlockPool
-from cache.hashing import block_hashes, extend_block_hashes
+from cache.config import CacheConfig
+from cache.hashing import BlockHashFn, block_hashes, extend_block_hashes, hash_block_tokens
 from cache.mamba_registry import MambaPrefixRegistry
+from cache.policy import CachePolicy
 from cache.snapshot_pool import SnapshotPool
 from cache.stats import CacheStats
 
+__all__ = ["Admission", "CacheConfig", "CacheManager"]
 
-@dataclass(frozen=True)
-class CacheConfig:
-    block_size: int
-    num_blocks: int              # KV blocks including the reserved dummy block 0 (never handed out)
-    num_live_slots: int          # live state rows are 1..num_live_slots (row 0 = dummy)
-    num_snapshot_slots: int      # snapshot rows are num_live_slots+1 .. num_live_slots+num_snapshot_slots
-    enable_prefix_caching: bool = True
-    hybrid: bool = True          # False: plain transformer, reuse = KV match, no snapshots needed
-    checkpoint_interval: int = 8192  # long prompts also capture at every multiple of this (floored to blocks; 0: off)
-
-    def __post_init__(self):
-        if self.block_size <= 0 or self.num_blocks < 2 or self.num_live_slots < 1 or self.num_snapshot_slots < 0:
-            raise ValueError(f"{self}: need block_size > 0, num_blocks >= 2 (block 0 is the dummy), "
-                             "num_live_slots >= 1, num_snapshot_slots >= 0")
-        if self.checkpoint_interval < 0:
-            raise ValueError(f"checkpoint_interval={self.checkpoint_interval} must be >= 0 (0 turns it off)")
+# why a snapshot was captured (SnapshotPool origin); branch points and checkpoints are shared by construction
+PROMPT_END, CHECKPOINT, BRANCH, SEQUENCE_END = "prompt_end", "checkpoint", "branch", "sequence_end"
 
 
 @dataclass(frozen=True)
@@ -50,26 +39,29 @@ class _Sequence:
     block_table: list[int]
     state_row: int
     num_cached_tokens: int
-    capture_plan: list[int]
+    chain: list[int]                         # cached block of each published position: own, or a twin's original
+    capture_plan: list[int] = field(default_factory=list)
     pinned_row: int | None = None            # restore snapshot, pinned until the first commit
     pending_captures: dict[int, int] = field(default_factory=dict)  # position -> reserved row
     decode_row: int | None = None
     decode_position: int = 0
-    publish_cursor: int = 0                  # blocks [0, cursor) are published (own or pinned under own children)
     branch_position: int = 0                 # where the KV match outran the state match (0: it did not)
     restored_hash: bytes | None = None
     kv_matched_tokens: int = 0
     ran: bool = False                        # a step committed for it (else free() takes back its admission counts)
-    prompt_end_hashes: list[bytes] = field(default_factory=list)  # prompt-end snapshots this sequence registered
+    prompt_snapshots: list[bytes] = field(default_factory=list)  # prompt-end and checkpoint snapshots it registered
 
 
 class CacheManager:
-    protect_snapshot_blocks = True  # KV leaves ending a snapshot's prefix are evicted after all other leaves
-
-    def __init__(self, config: CacheConfig):
+    def __init__(self, config: CacheConfig, policy: CachePolicy | None = None,
+                 block_hash_fn: BlockHashFn = hash_block_tokens):
+        """block_hash_fn: the chain hash (tests inject a weak one to exercise collisions)."""
         self.config = config
+        self.policy = policy or CachePolicy()
+        self.block_hash_fn = block_hash_fn
         self.stats = CacheStats()
-        self.blocks = BlockPool(config.num_blocks, on_evict=self._on_kv_evicted)
+        self.blocks = BlockPool(config.num_blocks, on_evict=self._on_kv_evicted,
+                                max_cached_blocks=self.policy.cached_block_limit(config.num_blocks - 1))
         self.registry = MambaPrefixRegistry()
         first = config.num_live_slots + 1
         self.snapshots = SnapshotPool(range(first, first + config.num_snapshot_slots),
@@ -80,7 +72,7 @@ class CacheManager:
     # ---- queries --------------------------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        """Blocks obtainable now: free plus unreferenced cached (evictable) ones."""
+        """Blocks obtainable now: free plus unreferenced cached (evictable) ones; exact."""
         return self.blocks.num_available
 
     @property
@@ -90,7 +82,7 @@ class CacheManager:
     @property
     def uses_snapshots(self) -> bool:
         c = self.config
-        return c.hybrid and c.enable_prefix_caching and c.num_snapshot_slots > 0
+        return c.hybrid and c.enable_prefix_caching and c.num_snapshot_slots > 0 and self.policy.snapshots_enabled
 
     def block_table(self, seq_id) -> list[int]:
         return self._seq(seq_id).block_table
@@ -101,6 +93,7 @@ class CacheManager:
 
     # ---- admission ------------------------------------------------------------------------------------------------
     def admit(self, seq_id, prompt_token_ids: Sequence[int]) -> Admission | None:
+        """None when no slot or not enough blocks: the cache is then left exactly as it was (retry later)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already admitted; free it first")
         n = len(prompt_token_ids)
@@ -110,36 +103,32 @@ class CacheManager:
             self.stats.admission_failures += 1
             return None
         bs = self.config.block_size
-        hashes = block_hashes(prompt_token_ids, bs)
+        hashes = block_hashes(prompt_token_ids, bs, self.block_hash_fn)
         matched: list[int] = []
         if self.config.enable_prefix_caching:  # the last prompt token is never served from cache
             matched = self.blocks.match(hashes[:(n - 1) // bs], prompt_token_ids, bs)
         depth = self._resolve(hashes, matched)
+        num_fresh = -(-n // bs) - depth
+        if not self.blocks.can_allocate(num_fresh, shared=matched[:depth]):
+            self.stats.admission_failures += 1
+            return None
         restore_row = None
-        if depth and self.config.hybrid:  # pinned first: evictions below may drop the snapshot, never its row
+        if depth and self.config.hybrid:
             restore_row = self.snapshots.row_of(hashes[depth - 1])
             self.snapshots.pin(restore_row)
         self.blocks.acquire(matched[:depth])
-        fresh = self.blocks.allocate(-(-n // bs) - depth)
-        if fresh is None:
-            self.blocks.release(matched[:depth])
-            if restore_row is not None:
-                self.snapshots.unpin(restore_row)
-            self.stats.admission_failures += 1
-            return None
+        fresh = self.blocks.allocate(num_fresh)
         seq = _Sequence(prompt_len=n, hashes=hashes, block_table=matched[:depth] + fresh,
-                        state_row=self._free_slots.pop(), num_cached_tokens=depth * bs, capture_plan=[],
-                        pinned_row=restore_row)
+                        state_row=self._free_slots.pop(), num_cached_tokens=depth * bs, chain=matched[:depth],
+                        pinned_row=restore_row, kv_matched_tokens=len(matched) * bs)
         if restore_row is not None:
             seq.restored_hash = hashes[depth - 1]
-            if seq.restored_hash in self.snapshots:
-                self._on_restore(seq.restored_hash)
+            self._on_restore(seq.restored_hash)
         if len(matched) > depth:
             seq.branch_position = len(matched) * bs
         if self.uses_snapshots:
-            seq.capture_plan = [p for p in self._plan_captures(n, len(matched), depth)
+            seq.capture_plan = [p for p in self.policy.capture_positions(self.config, n, len(matched), depth)
                                 if depth * bs < p <= n and not self._has_snapshot(hashes[p // bs - 1])]
-        seq.kv_matched_tokens = len(matched) * bs
         self._seqs[seq_id] = seq
         self._count_admission(seq, +1)
         self._track_peaks()
@@ -163,11 +152,19 @@ class CacheManager:
         return row
 
     def decode_capture_row(self, seq_id, position: int) -> int | None:
-        """The decode tracking row, now holding (or about to hold) the state after `position` tokens."""
+        """The row that holds (or is about to hold) the state after `position` decoded tokens: the tracking row,
+        or a row of its own under a policy that keeps every decode snapshot. None: no capture here."""
         seq = self._seq(seq_id)
         if position % self.config.block_size or position <= 0:
             raise ValueError(f"decode capture position {position} must be a positive multiple of "
                              f"{self.config.block_size}")
+        if not self.policy.tracks_decode_boundary(position):
+            return None
+        if self.policy.keep_every_decode_snapshot:
+            row = self.snapshots.reserve() if self.uses_snapshots else None
+            if row is not None:
+                seq.pending_captures[position] = row
+            return row
         if self.decode_tracking_row(seq_id) is not None:
             seq.decode_position = position
         return seq.decode_row
@@ -175,14 +172,16 @@ class CacheManager:
     def decode_tracking_row(self, seq_id) -> int | None:
         """The row a decoding sequence's block-boundary states go to (reserved on first use), without moving its
         recorded position: a multi-step call writes it only in the step that reaches a boundary, which the host
-        learns afterwards, and then records with `decode_capture_row`."""
+        learns afterwards, and then records with `decode_capture_row`. The row is held for the sequence's life, so
+        reserving it never evicts a snapshot that earned protection (None: no tracking, try again later)."""
         seq = self._seq(seq_id)
         if seq.decode_row is None and self.uses_snapshots:
-            seq.decode_row = self.snapshots.reserve()
+            seq.decode_row = self.snapshots.reserve(may_evict_protected=False)
             self._track_peaks()
         return seq.decode_row
 
     def append_slots(self, seq_id, num_tokens: int) -> bool:
+        """Blocks for the first num_tokens tokens; False (and nothing evicted or changed) if they cannot be had."""
         seq = self._seq(seq_id)
         need = -(-num_tokens // self.config.block_size) - len(seq.block_table)
         if need <= 0:
@@ -198,34 +197,36 @@ class CacheManager:
     def commit(self, seq_id, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         seq = self._seq(seq_id)
         seq.ran = True
-        self._publish(seq, token_ids, num_computed_tokens)
-        for position in sorted(p for p in seq.pending_captures if p <= num_computed_tokens):
+        limit = self._publish_limit(seq, num_computed_tokens, freeing=False)
+        self._publish(seq, token_ids, limit)
+        for position in sorted(p for p in seq.pending_captures if p <= limit):
             self._register(seq, position, seq.pending_captures.pop(position))
         self._unpin(seq)
 
-    def free(self, seq_id, token_ids: Sequence[int], num_computed_tokens: int, finished: bool) -> None:
-        """Release a sequence. Published blocks stay matchable; reserved captures whose step ran and the decode
-        tracking snapshot (if its position was computed) are registered, the other reserved rows freed. A preempted
-        sequence's tracking snapshot is kept too: it is exact, and its re-admission will match it. Freeing a sequence
-        no step ran for (admitted, then not scheduled) takes its admission out of the counters."""
+    def free(self, seq_id, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Release a sequence (finished, aborted or preempted alike). Published blocks stay matchable; reserved
+        captures whose step ran and the decode tracking snapshot (if its position was computed) are registered, the
+        other reserved rows freed: a preempted sequence's snapshots are exact and its re-admission matches them.
+        Freeing a sequence no step ran for (admitted, then not scheduled) takes its admission out of the counters."""
         seq = self._seq(seq_id)
         del self._seqs[seq_id]
         if not seq.ran:
             self._count_admission(seq, -1)
-        self._publish(seq, token_ids, num_computed_tokens)
+        limit = self._publish_limit(seq, num_computed_tokens, freeing=True)
+        self._publish(seq, token_ids, limit)
         for position, row in sorted(seq.pending_captures.items()):
-            if position <= num_computed_tokens:
+            if position <= limit:
                 self._register(seq, position, row)
             else:
                 self.snapshots.release(row)
         if seq.decode_row is not None:
-            if 0 < seq.decode_position <= num_computed_tokens and self._register(seq, seq.decode_position,
-                                                                                  seq.decode_row):
-                self._on_superseded(seq)
-            else:
+            if not 0 < seq.decode_position <= limit:
                 self.snapshots.release(seq.decode_row)
+            elif self._register(seq, seq.decode_position, seq.decode_row):
+                self._on_superseded(seq)
         self._unpin(seq)
         self.blocks.release(reversed(seq.block_table))
+        self.blocks.release(self._twin_originals(seq))
         self._free_slots.append(seq.state_row)
 
     # ---- eviction and clearing --------------------------------------------------------------------------------------
@@ -238,77 +239,96 @@ class CacheManager:
     def clear_prefix_cache(self) -> list[int]:
         evicted = self.blocks.clear_prefix_cache()
         for seq in self._seqs.values():
-            seq.publish_cursor = 0
+            self.blocks.release(self._twin_originals(seq))
+            seq.chain = []
         return evicted
 
-    # ---- policy (subclasses in the benchmark model other engines by overriding these) -----------------------------
-    def _plan_captures(self, prompt_len: int, kv_matched_blocks: int, restored_blocks: int) -> list[int]:
-        """Last block boundary the same prompt can reuse (<= prompt_len - 1), the prompt end if it is a boundary
-        (a longer prompt extending this one), the branch point where the KV match outran the state match, and
-        sparse checkpoints along long prompts (requests that arrive before a branch point exists lose less)."""
-        bs = self.config.block_size
-        interval = self.config.checkpoint_interval // bs * bs
-        positions = {(prompt_len - 1) // bs * bs}
-        if interval:
-            positions.update(range(interval, prompt_len, interval))
-        if prompt_len % bs == 0:
-            positions.add(prompt_len)
-        if kv_matched_blocks > restored_blocks:
-            positions.add(kv_matched_blocks * bs)
-        return sorted(p for p in positions if p > 0)
-
+    # ---- policy mechanics -----------------------------------------------------------------------------------------
     def _resolve(self, hashes: list[bytes], matched: list[int]) -> int:
         if not self.config.hybrid:
             return len(matched)
+        if not self.uses_snapshots:
+            return 0
         return self.registry.resolve_mamba_matched_blocks(hashes[:len(matched)], matched, self.snapshots.__contains__)
 
+    def _publish_limit(self, seq: _Sequence, num_computed_tokens: int, freeing: bool) -> int:
+        tracked = seq.decode_position if seq.decode_row is not None else 0
+        return self.policy.publish_limit(seq.prompt_len, num_computed_tokens, tracked, freeing)
+
     def _publish(self, seq: _Sequence, token_ids: Sequence[int], num_tokens: int) -> None:
-        """Publish the sequence's full blocks below num_tokens in chain order. A block whose hash another block
-        already caches stays private (a 'twin'); the cursor only passes it once a later block is published under it,
-        since a cached block with cached children cannot be evicted."""
+        """Publish the sequence's full blocks below num_tokens in chain order, each new block once. A block whose
+        prefix another block already caches stays private (a 'twin'); the sequence then holds that original until
+        free, so its own later blocks always hang under a referenced chain. A hash that collides with another
+        prefix's block stops publishing there."""
         if not self.config.enable_prefix_caching:
             return
         bs = self.config.block_size
         full = num_tokens // bs
-        extend_block_hashes(seq.hashes, token_ids, bs, full)
-        for i in range(seq.publish_cursor, full):
-            h, own = seq.hashes[i], seq.block_table[i]
-            cached = self.blocks.cached_block(h)
+        extend_block_hashes(seq.hashes, token_ids, bs, full, self.block_hash_fn)
+        for i in range(len(seq.chain), full):
+            block_hash, own, tokens = seq.hashes[i], seq.block_table[i], token_ids[i * bs:(i + 1) * bs]
+            parent = seq.chain[-1] if seq.chain else None
+            cached = self.blocks.cached_block(block_hash)
             if cached is None:
-                self.blocks.publish(own, h, seq.hashes[i - 1] if i else None, token_ids[i * bs:(i + 1) * bs])
-                seq.publish_cursor = i + 1
-            elif cached == own:
-                seq.publish_cursor = i + 1
+                self.blocks.publish(own, block_hash, parent, tokens)
+                cached = own
+            elif cached != own:
+                cached = self.blocks.cached_child(parent, block_hash, tokens)
+                if cached is None:
+                    return
+                self.blocks.acquire([cached])
+            seq.chain.append(cached)
+
+    def _twin_originals(self, seq: _Sequence) -> list[int]:
+        return [c for c, own in zip(seq.chain, seq.block_table) if c != own]
 
     def _register(self, seq: _Sequence, position: int, row: int) -> bool:
-        prefix_hash = seq.hashes[position // self.config.block_size - 1]
-        terminal = self.blocks.cached_block(prefix_hash)
-        if terminal is None:  # its KV is not cached (prefix caching off, or cleared): the state is useless
+        """Register the reserved row as the snapshot at `position`; False (row released) if its KV is not cached."""
+        depth = position // self.config.block_size
+        if not self.uses_snapshots or depth > len(seq.chain):  # its KV is not cached: the state is useless
             self.snapshots.release(row)
             return False
+        prefix_hash, terminal = seq.hashes[depth - 1], seq.chain[depth - 1]
         old = self.registry.mamba_prefix_block_by_hash.get(prefix_hash)
         self.registry.capture_mamba_prefix_state(prefix_hash, terminal)
-        self.snapshots.register(prefix_hash, row, self._snapshot_priority(seq, position))
+        origin = self._origin(seq, position)
+        self.snapshots.register(prefix_hash, row, self.policy.snapshot_priority(position, seq.prompt_len), origin)
         self._sync_protection(terminal)
         if old is not None and old != terminal:
             self._sync_protection(old)
         self.stats.snapshots_captured += 1
-        if position <= seq.prompt_len and position != seq.branch_position:
-            seq.prompt_end_hashes.append(prefix_hash)
+        if origin in (PROMPT_END, CHECKPOINT):
+            seq.prompt_snapshots.append(prefix_hash)
         return True
 
-    def _snapshot_priority(self, seq: _Sequence, position: int) -> int:
-        return 0  # probation until its first hit
+    def _origin(self, seq: _Sequence, position: int) -> str:
+        if position > seq.prompt_len:
+            return SEQUENCE_END
+        if position == seq.branch_position:
+            return BRANCH
+        if position >= (seq.prompt_len - 1) // self.config.block_size * self.config.block_size:
+            return PROMPT_END
+        return CHECKPOINT
 
     def _on_restore(self, prefix_hash: bytes) -> None:
-        self.snapshots.promote(prefix_hash, max_protected=self.config.num_snapshot_slots * 3 // 4)
+        if self.policy.promote_on_restore:
+            max_protected = int(self.config.num_snapshot_slots * self.policy.protected_share)
+            self.snapshots.promote(prefix_hash, max_protected=max_protected)
+        else:
+            self.snapshots.touch(prefix_hash)
 
     def _on_superseded(self, seq: _Sequence) -> None:
-        """A finished sequence registered a deeper snapshot on its own path: the next turn continues from that one,
-        so its prompt-end snapshots, and the one it restored if nobody else used it, are evicted first."""
-        stale = list(seq.prompt_end_hashes)
-        if seq.restored_hash is not None and self.snapshots.hits(seq.restored_hash) == 1:
-            stale.append(seq.restored_hash)
+        """A finished sequence registered a deeper snapshot on its own path, so the next turn continues from that
+        one. Evicted first: its prompt snapshots nobody restored, and the snapshot it restored if that was a previous
+        turn's prompt or sequence end used by this sequence alone. Branch points and checkpoints are shared by
+        construction and keep their place."""
+        if not self.policy.demote_superseded:
+            return
+        stale = [h for h in seq.prompt_snapshots if self.snapshots.hits(h) == 0]
+        restored = seq.restored_hash
+        if (restored is not None and self.snapshots.origin(restored) in (PROMPT_END, SEQUENCE_END)
+                and self.snapshots.hits(restored) == 1):
+            stale.append(restored)
         for prefix_hash in stale:
             self.snapshots.demote(prefix_hash)
 
@@ -320,6 +340,7 @@ class CacheManager:
         for prefix_hash in self.registry.handle_mamba_prefix_evicted_blocks(block_ids):
             if self.snapshots.discard(prefix_hash):
                 self.stats.snapshots_invalidated += 1
+        self.policy.on_kv_evicted(block_ids)
 
     def _on_snapshot_evicted(self, prefix_hash: bytes) -> None:
         block = self.registry.mamba_prefix_block_by_hash.get(prefix_hash)
@@ -329,7 +350,7 @@ class CacheManager:
         self.stats.snapshots_evicted += 1
 
     def _sync_protection(self, block: int) -> None:
-        if self.protect_snapshot_blocks:
+        if self.policy.protect_snapshot_blocks:
             self.blocks.set_protected(block, block in self.registry.mamba_prefix_hashes_by_block)
 
     # ---- internals ------------------------------------------------------------------------------------------------

@@ -1,25 +1,92 @@
-"""How many snapshot rows fit: the configured maximum bounded by a byte budget."""
+"""One byte budget for the whole cache, split between KV blocks, live state rows and snapshot rows (pure, no jax).
+
+Split rule (`plan_cache`):
+1. The zero state row and `max_num_seqs` live state rows come first: every running sequence needs one.
+2. Of the rest, snapshot rows may take `snapshot_memory_fraction`, further capped by `snapshot_memory_bytes` and
+   `max_num_snapshots`, and never so much that the KV blocks could not hold one sequence of max_model_len.
+3. Everything left is KV blocks.
+The dummy KV block 0 and the zero state row 0 are counted: kv_bytes + state_bytes is what the buffers allocate.
+"""
 import logging
+from dataclasses import dataclass
 
 logger = logging.getLogger("qnext.cache")
 
+# Share of the memory after the live rows that snapshot rows may take; the trace benchmark's sweep
+# (scripts/bench_prefix_cache.py, "snapshot share" table) supports this default.
+DEFAULT_SNAPSHOT_MEMORY_FRACTION = 0.75
+GIB = 1 << 30
 
-def snapshot_budget_bytes(budget: int | float, device_memory_bytes: int | None = None) -> int:
-    """A byte budget given as bytes (int) or as a fraction in (0, 1] of device memory (float)."""
-    if isinstance(budget, float):
-        if not 0.0 <= budget <= 1.0:
-            raise ValueError(f"snapshot budget fraction {budget} must be in [0, 1]; pass an int for bytes")
-        if device_memory_bytes is None:
-            raise ValueError("a fractional snapshot budget needs device_memory_bytes")
-        return int(budget * device_memory_bytes)
-    if budget < 0:
-        raise ValueError(f"snapshot budget {budget} bytes must be >= 0")
-    return int(budget)
+
+@dataclass(frozen=True)
+class CacheSizes:
+    num_blocks: int          # usable KV blocks; the dummy block 0 comes on top
+    block_size: int
+    num_live_rows: int       # = max_num_seqs
+    num_snapshot_rows: int
+    kv_bytes: int            # (num_blocks + 1) blocks, dummy included
+    state_bytes: int         # (1 + num_live_rows + num_snapshot_rows) rows, zero row included
+    budget_bytes: int
+    max_num_snapshots: int | None = None   # the configured cap, to say when the budget cut it
+
+    def as_dict(self) -> dict:
+        return {"num_blocks": self.num_blocks, "block_size": self.block_size, "kv_bytes": self.kv_bytes,
+                "num_live_rows": self.num_live_rows, "num_snapshot_rows": self.num_snapshot_rows,
+                "state_bytes": self.state_bytes, "budget_bytes": self.budget_bytes}
+
+    def describe(self) -> str:
+        """One start-up log line: what each part holds and costs."""
+        rows = 1 + self.num_live_rows + self.num_snapshot_rows
+        row_bytes = self.state_bytes // rows
+        return (f"cache {_gib(self.kv_bytes + self.state_bytes)} of {_gib(self.budget_bytes)}: "
+                f"{self.num_blocks} KV blocks = {self.num_blocks * self.block_size} tokens ({_gib(self.kv_bytes)}), "
+                f"{self.num_live_rows} live state rows ({_gib((1 + self.num_live_rows) * row_bytes)} with the zero "
+                f"row), {self.num_snapshot_rows} snapshot rows ({_gib(self.num_snapshot_rows * row_bytes)})"
+                + (f"; max_num_snapshots {self.max_num_snapshots} cut to {self.num_snapshot_rows} by the budget"
+                   if self.max_num_snapshots is not None and self.num_snapshot_rows < self.max_num_snapshots else ""))
+
+
+def plan_cache(budget_bytes: int, *, kv_bytes_per_block: int, state_bytes_per_row: int, block_size: int,
+               max_num_seqs: int, max_model_len: int,
+               snapshot_memory_fraction: float = DEFAULT_SNAPSHOT_MEMORY_FRACTION,
+               max_num_snapshots: int | None = None, snapshot_memory_bytes: int | None = None) -> CacheSizes:
+    """Split `budget_bytes` by the module's rule. state_bytes_per_row = 0 (no linear-attention layers): no
+    snapshot rows. Raises ValueError when the budget cannot hold one sequence of max_model_len plus the state rows."""
+    if kv_bytes_per_block <= 0 or state_bytes_per_row < 0 or block_size <= 0 or max_num_seqs < 1 or max_model_len < 1:
+        raise ValueError(f"kv_bytes_per_block={kv_bytes_per_block}, state_bytes_per_row={state_bytes_per_row}, "
+                         f"block_size={block_size}, max_num_seqs={max_num_seqs}, max_model_len={max_model_len}: "
+                         "need kv_bytes_per_block, block_size, max_num_seqs, max_model_len > 0 and state bytes >= 0")
+    if not 0.0 <= snapshot_memory_fraction <= 1.0:
+        raise ValueError(f"snapshot_memory_fraction={snapshot_memory_fraction} must be in [0, 1]")
+    for name, cap in (("max_num_snapshots", max_num_snapshots), ("snapshot_memory_bytes", snapshot_memory_bytes)):
+        if cap is not None and cap < 0:
+            raise ValueError(f"{name}={cap} must be >= 0 (None: no cap)")
+    live_bytes = (1 + max_num_seqs) * state_bytes_per_row
+    min_kv_bytes = (1 + -(-max_model_len // block_size)) * kv_bytes_per_block
+    if budget_bytes < live_bytes + min_kv_bytes:
+        raise ValueError(f"cache budget {budget_bytes} bytes cannot hold one sequence of max_model_len "
+                         f"{max_model_len}: its {-(-max_model_len // block_size)} KV blocks (+ the dummy) take "
+                         f"{min_kv_bytes} bytes and the zero + {max_num_seqs} live state rows {live_bytes} bytes, "
+                         f"{live_bytes + min_kv_bytes} in all; raise the budget or lower max_model_len / max_num_seqs")
+    shared = budget_bytes - live_bytes
+    num_snapshot_rows = 0
+    if state_bytes_per_row:
+        snapshot_bytes = min(int(snapshot_memory_fraction * shared), shared - min_kv_bytes)
+        if snapshot_memory_bytes is not None:
+            snapshot_bytes = min(snapshot_bytes, snapshot_memory_bytes)
+        num_snapshot_rows = snapshot_bytes // state_bytes_per_row
+        if max_num_snapshots is not None:
+            num_snapshot_rows = min(num_snapshot_rows, max_num_snapshots)
+    state_bytes = live_bytes + num_snapshot_rows * state_bytes_per_row
+    num_blocks = (budget_bytes - state_bytes) // kv_bytes_per_block - 1
+    return CacheSizes(num_blocks=num_blocks, block_size=block_size, num_live_rows=max_num_seqs,
+                      num_snapshot_rows=num_snapshot_rows, kv_bytes=(num_blocks + 1) * kv_bytes_per_block,
+                      state_bytes=state_bytes, budget_bytes=budget_bytes, max_num_snapshots=max_num_snapshots)
 
 
 def snapshot_pool_capacity(requested: int, bytes_per_snapshot: int, budget_bytes: int) -> int:
     """min(requested, budget_bytes // bytes_per_snapshot); logs one line naming both numbers when the budget caps
-    it. 0 disables snapshot reuse."""
+    it. 0 disables snapshot reuse. Superseded by plan_cache, which sizes the whole cache from one budget."""
     if requested < 0 or bytes_per_snapshot <= 0 or budget_bytes < 0:
         raise ValueError(f"requested={requested} snapshots, {bytes_per_snapshot} bytes each, budget {budget_bytes} "
                          "bytes: need requested >= 0, bytes_per_snapshot > 0, budget >= 0")
@@ -30,3 +97,7 @@ def snapshot_pool_capacity(requested: int, bytes_per_snapshot: int, budget_bytes
                    requested, fits, budget_bytes, bytes_per_snapshot,
                    "; prefix reuse for hybrid layers is off" if fits == 0 else "")
     return fits
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"

@@ -6,6 +6,8 @@ takes the least recently used of probation first, then of protected. The cache m
 probation and promotes one on a hit (a segmented LRU, so one-off snapshots cannot flush a shared prefix's state).
 Pinned rows (a restore is scheduled from them) are never evicted or freed until unpinned.
 Discarding a pinned snapshot unregisters it at once and frees its row at the last unpin.
+Each snapshot keeps the `origin` it was registered with (why it was captured; the manager's demotion rule reads it)
+and its number of hits (promotions).
 """
 from collections import OrderedDict
 from typing import Callable, Iterable
@@ -23,6 +25,7 @@ class SnapshotPool:
         self._priority: dict[bytes, int] = {}
         self._pins: dict[int, int] = {}
         self._hits: dict[bytes, int] = {}
+        self._origin: dict[bytes, str] = {}
         self._doomed: set[int] = set()
 
     @property
@@ -55,9 +58,10 @@ class SnapshotPool:
     def registered(self) -> dict[bytes, int]:
         return {h: lru[h] for lru in self._lru for h in lru}
 
-    def reserve(self) -> int | None:
-        """A row to write a new snapshot into, evicting the LRU unpinned snapshot if none is free."""
-        if not self._free and self.evict_lru() is None:
+    def reserve(self, may_evict_protected: bool = True) -> int | None:
+        """A row to write a new snapshot into, evicting the LRU unpinned snapshot if none is free; with
+        may_evict_protected=False only a probation snapshot may go (None rather than evict a protected one)."""
+        if not self._free and self.evict_lru(may_evict_protected) is None:
             return None
         row = self._free.pop()
         self._reserved.add(row)
@@ -68,12 +72,16 @@ class SnapshotPool:
         self._reserved.remove(row)
         self._free.append(row)
 
-    def register(self, prefix_hash: bytes, row: int, priority: int = 0) -> None:
+    def register(self, prefix_hash: bytes, row: int, priority: int = 0, origin: str = "") -> None:
         """A reserved row now holds the state for prefix_hash; an older row for the same hash is dropped."""
         self._reserved.remove(row)
         self.discard(prefix_hash)
         self._priority[prefix_hash] = priority
         self._lru[priority][prefix_hash] = row
+        self._origin[prefix_hash] = origin
+
+    def origin(self, prefix_hash: bytes) -> str | None:
+        return self._origin.get(prefix_hash)
 
     def touch(self, prefix_hash: bytes) -> None:
         self._lru[self._priority[prefix_hash]].move_to_end(prefix_hash)
@@ -123,6 +131,7 @@ class SnapshotPool:
         if p is None:
             return False
         self._hits.pop(prefix_hash, None)
+        del self._origin[prefix_hash]
         row = self._lru[p].pop(prefix_hash)
         if row in self._pins:
             self._doomed.add(row)
@@ -130,9 +139,9 @@ class SnapshotPool:
             self._free.append(row)
         return True
 
-    def evict_lru(self) -> bytes | None:
+    def evict_lru(self, may_evict_protected: bool = True) -> bytes | None:
         """Evict the least recently used unpinned snapshot (lowest priority first) and report it to on_evict."""
-        for lru in self._lru:
+        for lru in self._lru if may_evict_protected else self._lru[:-1]:
             for prefix_hash, row in lru.items():
                 if row not in self._pins:
                     self.discard(prefix_hash)

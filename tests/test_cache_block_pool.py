@@ -13,7 +13,7 @@ def fill(pool, tokens, hashes=None):
     hashes = hashes or block_hashes(tokens, BS)
     ids = pool.allocate(len(hashes))
     for i, (b, h) in enumerate(zip(ids, hashes)):
-        pool.publish(b, h, hashes[i - 1] if i else None, tokens[i * BS:(i + 1) * BS])
+        pool.publish(b, h, ids[i - 1] if i else None, tokens[i * BS:(i + 1) * BS])
     return ids
 
 
@@ -49,6 +49,14 @@ def test_hash_hit_with_different_tokens_is_not_served():
     assert pool.match(forged, [1, 2, 3, 4], BS) == []
 
 
+def test_a_hash_hit_under_another_parent_is_not_served():
+    pool = BlockPool(8)
+    a = fill(pool, [1, 1, 1, 1, 5, 5, 5, 5], [b"a", b"five"])
+    b = fill(pool, [2, 2, 2, 2], [b"b"])
+    assert pool.match([b"b", b"five"], [2, 2, 2, 2, 5, 5, 5, 5], BS) == b     # equal tokens, wrong parent
+    assert pool.match([b"a", b"five"], [1, 1, 1, 1, 5, 5, 5, 5], BS) == a
+
+
 def test_freed_block_stays_matchable_until_reused():
     evicted = []
     pool = BlockPool(4, on_evict=evicted.extend)  # 3 usable blocks
@@ -80,13 +88,27 @@ def test_leaf_lru_eats_the_oldest_chain_tail_first_and_touch_protects():
     assert evicted == [b[2], b[1], b[0], a[2], a[1], a[0]] and pool.num_cached == 0
 
 
-def test_parent_with_cached_child_is_not_evicted_and_referenced_blocks_never_are():
+def test_referenced_blocks_are_never_evicted_and_a_failed_allocation_evicts_nothing():
+    evicted = []
+    pool = BlockPool(8, on_evict=evicted.extend)  # 7 usable
+    held = fill(pool, list(range(8)))
+    cached = fill(pool, list(range(100, 108)))
+    pool.release(cached)
+    assert pool.num_available == 5 and pool.can_allocate(5) and not pool.can_allocate(5, shared=cached[:1])
+    assert pool.allocate(6) is None and evicted == [] and pool.num_cached == 4
+    assert pool.evict(5) == [cached[1], cached[0]] and pool.ref_count(held[1]) == 1
+
+
+def test_a_block_is_published_only_under_a_cached_and_referenced_parent():
     pool = BlockPool(8)
-    ids = fill(pool, list(range(8)))
-    pool.release(ids[:1])  # parent unreferenced, child still referenced
-    assert pool.evict(5) == []
-    assert pool.allocate(6) is None  # 5 free + a pinned parent: cannot reach 6
-    assert pool.num_free == 5 and pool.ref_count(ids[1]) == 1
+    [parent] = fill(pool, list(range(4)))
+    [child] = pool.allocate(1)
+    h = block_hashes(list(range(8)), BS)[1]
+    pool.release([parent])  # cached, unreferenced: a child under it would pin it beyond num_available's count
+    with pytest.raises(ValueError, match="cached and referenced"):
+        pool.publish(child, h, parent, range(4, 8))
+    pool.acquire([parent])
+    assert pool.publish(child, h, parent, range(4, 8)) and pool.parent_of(child) == parent
 
 
 def test_ref_counts_and_duplicate_publish():

@@ -1,3 +1,5 @@
+from array import array
+
 import pytest
 
 from cache import CacheConfig, CacheManager, block_hashes
@@ -24,7 +26,7 @@ def prefill(m, sid, prompt):
     return adm
 
 
-def run(m, sid, prompt, output=(), finished=True):
+def run(m, sid, prompt, output=()):
     """Prefill, decode `output` (capturing at every block boundary), free. Returns (admission, all tokens)."""
     adm = prefill(m, sid, prompt)
     tokens = list(prompt)
@@ -37,7 +39,7 @@ def run(m, sid, prompt, output=(), finished=True):
         if (computed + 1) % BS == 0:
             m.decode_capture_row(sid, computed + 1)
         m.commit(sid, tokens, computed + 1)
-    m.free(sid, tokens, len(tokens) - 1 if output else len(prompt), finished=finished)
+    m.free(sid, tokens, len(tokens) - 1 if output else len(prompt))
     return adm, tokens
 
 
@@ -46,7 +48,7 @@ def test_block_aligned_fully_cached_prompt_still_computes_its_last_block():
     run(m, "a", list(range(8)))
     adm = m.admit("b", list(range(8)))
     assert adm.num_cached_tokens == 4 and adm.kv_matched_tokens == 4 and adm.restore_row is not None
-    m.free("b", list(range(8)), 4, finished=False)
+    m.free("b", list(range(8)), 4)
     run(m, "c", list(range(9)))
     assert m.admit("d", list(range(9))).num_cached_tokens == 8  # state after exactly 8 tokens, 1 token computed
 
@@ -55,7 +57,7 @@ def test_prompt_end_snapshot_sits_at_the_last_boundary_before_the_last_token():
     m = make()
     assert m.admit("a", list(range(10))).num_cached_tokens == 0
     assert m.capture_positions("a") == [8]
-    m.free("a", list(range(10)), 0, finished=False)
+    m.free("a", list(range(10)), 0)
     m.admit("b", list(range(12)))
     assert m.capture_positions("b") == [8, 12]
 
@@ -92,7 +94,7 @@ def test_decode_tracking_row_is_reserved_without_moving_its_position():
     tokens += [53, 54, 55]                               # the call ran tokens 12..14 and stopped before 16
     assert m.append_slots("a", 16)
     m.commit("a", tokens, 15)
-    m.free("a", tokens, 15, finished=True)
+    m.free("a", tokens, 15)
     adm = m.admit("b", tokens + [60, 61])
     assert adm.num_cached_tokens == 12 and adm.restore_row is not None
 
@@ -100,7 +102,7 @@ def test_decode_tracking_row_is_reserved_without_moving_its_position():
     prefill(m2, "a", prompt)
     assert m2.decode_tracking_row("a") is not None
     captured = m2.stats.snapshots_captured
-    m2.free("a", prompt + [50], 10, finished=True)
+    m2.free("a", prompt + [50], 10)
     assert m2.stats.snapshots_captured == captured and m2.snapshots.num_reserved == 0
 
 
@@ -180,10 +182,10 @@ def test_slots_and_blocks_are_bounded_and_come_back():
     m = make(num_blocks=6, live=2)
     assert m.admit("a", [1] * 5) and m.admit("b", [2] * 5)
     assert m.admit("c", [3]) is None and m.stats.admission_failures == 1
-    m.free("a", [1] * 5, 5, finished=True)
+    m.free("a", [1] * 5, 5)
     assert m.admit("c", [3] * 13) is None   # 4 blocks needed, 3 obtainable
     assert not m.append_slots("b", 21)
-    m.free("b", [2] * 5, 5, finished=False)
+    m.free("b", [2] * 5, 5)
     assert m.num_free_slots == 2 and m.blocks.num_used == 0
     assert m.stats.peak_slots_in_use == 2 and m.stats.peak_blocks_in_use == 4
 
@@ -207,7 +209,7 @@ def test_captures_are_published_only_after_their_step_commits():
     m.reserve_capture("a", 8)
     m.commit("a", list(range(9)), 4)
     assert not m.registry.valid_mamba_prefix_hashes and m.blocks.num_cached == 1
-    m.free("a", list(range(9)), 4, finished=False)  # aborted before the capture ran: row released
+    m.free("a", list(range(9)), 4)  # aborted before the capture ran: row released
     assert m.snapshots.num_free == 8
 
 
@@ -249,7 +251,7 @@ def test_kv_tail_ending_a_snapshot_outlives_a_newer_tail_without_one():
     b = list(range(50, 59))
     m.admit("b", b)
     m.commit("b", b, 9)                      # published without any capture
-    m.free("b", b, 9, finished=True)
+    m.free("b", b, 9)
     m.evict_cached_blocks(2)                 # b's chain goes first although it is newer
     assert m.admit("c", list(range(9))).num_cached_tokens == 8
 
@@ -259,7 +261,72 @@ def test_an_admission_released_before_any_step_is_not_counted():
     run(m, "a", list(range(9)))
     before = m.stats.as_dict()
     m.admit("b", list(range(9)))
-    m.free("b", list(range(9)), 8, finished=False)  # the scheduler could not fit it after all
+    m.free("b", list(range(9)), 8)  # the scheduler could not fit it after all
     assert m.stats.as_dict() == before
     adm, _ = run(m, "c", list(range(9)))
     assert m.stats.prompt_tokens == 18 and m.stats.reused_tokens == 8 and m.stats.snapshots_restored == 1
+
+
+def test_a_failed_admission_or_append_changes_nothing():
+    """Blocks an allocation cannot reach (cached under a running sequence's chain) are not counted as available,
+    so a request that does not fit fails before evicting anything, however often the scheduler retries it."""
+    m = make(num_blocks=13)                     # 12 usable blocks
+    a = list(range(100, 113))
+    m.admit("a", a)
+    m.commit("a", a, 13)                        # a's 3 full blocks cached, no snapshot
+    m.free("a", a, 13)
+    s = a[:12] + [7] * 5
+    adm = m.admit("s", s)
+    assert adm.kv_matched_tokens == 12 and adm.num_cached_tokens == 0   # KV beyond the state: recomputed as twins
+    m.commit("s", s, 17)                        # s publishes its 4th block under a's chain and keeps running
+    run(m, "c", list(range(200, 209)))          # c's blocks cached with its snapshot at 8
+    assert m.num_free_blocks == 4               # 2 free + c's 2; a's 3 blocks cannot be evicted while s runs
+    before = (m.stats.kv_blocks_evicted, m.stats.snapshots_invalidated, m.blocks.num_cached)
+    for _ in range(3):                          # the scheduler retries the waiting head every step
+        assert m.admit("x", list(range(300, 320))) is None          # 5 blocks
+        assert not m.append_slots("s", 17 + 5 * BS)
+    assert (m.stats.kv_blocks_evicted, m.stats.snapshots_invalidated, m.blocks.num_cached) == before
+    assert m.admit("c2", list(range(200, 209))).num_cached_tokens == 8
+    m.free("c2", list(range(200, 209)), 0)
+    assert m.admit("y", list(range(400, 416))) is not None              # exactly num_free_blocks: fits
+
+
+def _parent_blind_hash(parent_hash, token_ids):
+    return bytes(array("i", token_ids))         # equal blocks collide under any parent
+
+
+def test_a_prefix_match_checks_the_chain_not_just_the_block():
+    m = CacheManager(CacheConfig(block_size=BS, num_blocks=64, num_live_slots=4, num_snapshot_slots=8),
+                     block_hash_fn=_parent_blind_hash)
+    run(m, "a", [1, 1, 1, 1, 5, 5, 5, 5, 9])   # snapshot at 8 on block [5,5,5,5] under [1,1,1,1]
+    run(m, "b", [2, 2, 2, 2, 9])
+    c = [2, 2, 2, 2, 5, 5, 5, 5, 7]            # same block [5,5,5,5] under another parent
+    adm = m.admit("c", c)
+    assert adm.kv_matched_tokens == 4 and adm.num_cached_tokens == 4     # b's block and snapshot, not a's
+    m.commit("c", c, 9)                        # c's own [5,5,5,5] cannot be published under the colliding hash
+    m.free("c", c, 9)
+    assert m.admit("d", c).kv_matched_tokens == 4
+    assert m.admit("e", [1, 1, 1, 1, 5, 5, 5, 5, 3]).num_cached_tokens == 8   # a's chain is intact
+
+
+def test_a_commit_costs_the_new_blocks_only(monkeypatch):
+    """Two identical sequences decoding together: every block of the second is a twin of the first's."""
+    m = make(num_blocks=256, snaps=0)
+    prompt = list(range(9))
+    m.admit("t", prompt)
+    m.admit("s", prompt)
+    lookups = []
+    for name in ("cached_block", "cached_child"):
+        original = getattr(m.blocks, name, None)
+        if original is not None:
+            monkeypatch.setattr(m.blocks, name, lambda *a, f=original: lookups.append(1) or f(*a))
+    tokens = list(prompt)
+    for n in range(9, 400):
+        tokens.append(n % 5)
+        for sid in ("t", "s"):
+            assert m.append_slots(sid, n + 1)
+            m.commit(sid, tokens, n + 1)
+    assert len(lookups) <= 2 * 2 * 100          # ~100 blocks each, at most two lookups a block
+    m.free("s", tokens, 400)
+    m.free("t", tokens, 400)
+    assert m.blocks.num_used == 0

@@ -1,14 +1,19 @@
 """Random interleavings of admit / step (prefill, capture, decode) / finish / abort / evict / clear against a
 simulated device that records what every KV block and state row really holds. After every step: no leaks, exact
-ref counts, nothing handed out twice, and nothing stale is matchable or restorable."""
+ref counts and available-block count, nothing handed out twice, and nothing stale is matchable or restorable, also
+under a hash that ignores the parent (equal blocks under different prefixes collide)."""
 from collections import Counter
 
 from hypothesis import event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cache import CacheConfig, CacheManager, block_hashes
+from cache import CacheConfig, CacheManager, block_hashes, hash_block_tokens
 
 BS = 2
+
+
+def _parent_blind_hash(parent_hash, token_ids):
+    return bytes(token_ids)
 
 
 class _Seq:
@@ -21,11 +26,12 @@ class _Seq:
 
 class CacheMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(4, 24), live=st.integers(1, 3), snaps=st.integers(0, 4),
-                hybrid=st.booleans(), interval=st.sampled_from([0, 4, 8192]))
-    def setup(self, num_blocks, live, snaps, hybrid, interval):
+                hybrid=st.booleans(), interval=st.sampled_from([0, 4, 8192]), weak_hash=st.booleans())
+    def setup(self, num_blocks, live, snaps, hybrid, interval, weak_hash):
         self.cfg = CacheConfig(block_size=BS, num_blocks=num_blocks, num_live_slots=live,
                                num_snapshot_slots=snaps, hybrid=hybrid, checkpoint_interval=interval)
-        self.m = CacheManager(self.cfg)
+        self.hash_fn = _parent_blind_hash if weak_hash else hash_block_tokens
+        self.m = CacheManager(self.cfg, block_hash_fn=self.hash_fn)
         self.seqs: dict[int, _Seq] = {}
         self.history: list[tuple[int, ...]] = [()]
         self.kv = {}      # block -> token prefix whose KV the block really holds (through its last written slot)
@@ -48,7 +54,7 @@ class CacheMachine(RuleBasedStateMachine):
         if not prompt:
             prompt = [0]
         if not self.m.num_free_slots:  # keep requests flowing: finish the oldest one
-            self.free(0, True)
+            self.free(0)
         sid = self.next_id
         self.next_id += 1
         adm = self.m.admit(sid, prompt)
@@ -109,11 +115,11 @@ class CacheMachine(RuleBasedStateMachine):
                 self.step(pick, 4, True, (tok + i) % 3)
 
     @precondition(lambda self: self.seqs)
-    @rule(pick=st.integers(0, 1000), finished=st.booleans())
-    def free(self, pick, finished):
+    @rule(pick=st.integers(0, 1000))
+    def free(self, pick):
         sid = sorted(self.seqs)[pick % len(self.seqs)]
         s = self.seqs.pop(sid)
-        self.m.free(sid, s.tokens, s.computed, finished=finished)
+        self.m.free(sid, s.tokens, s.computed)
         self.history.append(tuple(s.tokens))
 
     @rule(n=st.integers(0, 5))
@@ -138,6 +144,7 @@ class CacheMachine(RuleBasedStateMachine):
             table = self.m.block_table(sid)
             assert len(set(table)) == len(table) and 0 not in table
             held.update(table)
+            held.update(self.m._twin_originals(self.m._seqs[sid]))  # held while a private twin duplicates them
         for b in range(1, self.cfg.num_blocks):
             assert pool.ref_count(b) == held[b]
             if pool.is_free(b):
@@ -148,11 +155,22 @@ class CacheMachine(RuleBasedStateMachine):
         for h, b in pool._by_hash.items():  # a cached block really holds the prefix its hash names
             assert pool.block_hash(b) == h
             prefix = self.kv[b]
-            assert len(prefix) % BS == 0 and block_hashes(prefix, BS)[-1] == h
+            assert len(prefix) % BS == 0 and block_hashes(prefix, BS, self.hash_fn)[-1] == h
             assert pool.block_tokens(b) == prefix[-BS:]
             assert pool._blocks[b].protected == (b in self.m.registry.mamba_prefix_hashes_by_block)
-            parent = pool._blocks[b].parent_hash
-            assert parent is None or parent in pool._by_hash
+            parent = pool.parent_of(b)
+            assert self.kv[parent] == prefix[:-BS] if parent is not None else len(prefix) == BS
+            if held[b]:
+                assert parent is None or held[parent]
+        has_held_descendant = set()
+        for b in pool._by_hash.values():
+            if held[b]:
+                parent = pool.parent_of(b)
+                while parent is not None and parent not in has_held_descendant:
+                    has_held_descendant.add(parent)
+                    parent = pool.parent_of(parent)
+        reachable = [b for b in pool._by_hash.values() if not held[b] and b not in has_held_descendant]
+        assert pool.num_available == pool.num_free + len(reachable)  # exact: an allocation never fails half-way
 
     @invariant()
     def snapshots_exact(self):
@@ -163,8 +181,7 @@ class CacheMachine(RuleBasedStateMachine):
         for h in reg.valid_mamba_prefix_hashes:  # valid => KV resident and the row holds exactly that prefix
             b = reg.mamba_prefix_block_by_hash[h]
             assert self.m.blocks.cached_block(h) == b and h in reg.mamba_prefix_hashes_by_block[b]
-            prefix = self.state[registered[h]]
-            assert len(prefix) % BS == 0 and block_hashes(prefix, BS)[-1] == h
+            assert self.state[registered[h]] == self.kv[b]  # the state after exactly the prefix its block holds
         pending = [r for sid in self.seqs for r in self.m._seqs[sid].pending_captures.values()]
         decode = [self.m._seqs[sid].decode_row for sid in self.seqs if self.m._seqs[sid].decode_row is not None]
         rows = list(snaps._free) + list(registered.values()) + list(snaps._doomed)
@@ -179,7 +196,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def teardown(self):
         for sid, s in list(self.seqs.items()):
-            self.m.free(sid, s.tokens, s.computed, finished=True)
+            self.m.free(sid, s.tokens, s.computed)
         self.seqs.clear()
         self.blocks_exact()
         self.snapshots_exact()

@@ -62,3 +62,17 @@ def test_protected_segment_is_capped():
         pool.promote(h, max_protected=2)
     pool.reserve()  # H[0] fell back to probation when H[2] was promoted: it goes first
     assert H[0] not in pool and H[1] in pool and H[2] in pool
+
+
+def test_a_reservation_that_may_not_evict_protected_takes_probation_or_nothing():
+    evicted = []
+    pool = SnapshotPool(range(1, 3), on_evict=evicted.append)
+    pool.register(H[0], pool.reserve(), origin="branch")
+    pool.promote(H[0], max_protected=1)
+    pool.register(H[1], pool.reserve())
+    row = pool.reserve(may_evict_protected=False)
+    assert evicted == [H[1]] and row is not None
+    assert pool.reserve(may_evict_protected=False) is None and H[0] in pool and pool.origin(H[0]) == "branch"
+    pool.release(row)
+    pool.discard(H[0])
+    assert pool.origin(H[0]) is None and pool.hits(H[0]) == 0

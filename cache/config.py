@@ -1,0 +1,20 @@
+"""CacheConfig: the sizes and switches the cache manager is built with."""
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    num_blocks: int              # KV blocks including the reserved dummy block 0 (never handed out)
+    num_live_slots: int          # live state rows are 1..num_live_slots (row 0 = dummy)
+    num_snapshot_slots: int      # snapshot rows are num_live_slots+1 .. num_live_slots+num_snapshot_slots
+    enable_prefix_caching: bool = True
+    hybrid: bool = True          # False: plain transformer, reuse = KV match, no snapshots needed
+    checkpoint_interval: int = 8192  # long prompts also capture at every multiple of this (floored to blocks; 0: off)
+
+    def __post_init__(self):
+        if self.block_size <= 0 or self.num_blocks < 2 or self.num_live_slots < 1 or self.num_snapshot_slots < 0:
+            raise ValueError(f"{self}: need block_size > 0, num_blocks >= 2 (block 0 is the dummy), "
+                             "num_live_slots >= 1, num_snapshot_slots >= 0")
+        if self.checkpoint_interval < 0:
+            raise ValueError(f"checkpoint_interval={self.checkpoint_interval} must be >= 0 (0 turns it off)")
