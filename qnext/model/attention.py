@@ -1,4 +1,8 @@
-"""Gated full attention over paged KV: q/k RMSNorm, partial RoPE, GQA, sigmoid output gate."""
+"""Gated full attention: q/k RMSNorm, partial RoPE, GQA, sigmoid output gate.
+
+`attention_inputs` and `attention_output` are the layer's math around its core, shared by the engine's paged step
+(`full_attention` below) and the dense [B, T] path of qnext/flax (causal attention with a padding mask).
+"""
 from __future__ import annotations
 
 import jax
@@ -13,31 +17,44 @@ from qnext.model.rotary import apply_rotary
 from qnext.model.step_inputs import StepInputs
 
 
-def full_attention(p, x, kv, inputs: StepInputs, cfg: ModelConfig):
-    """x: [T, H]; kv: (k_pages, v_pages). Returns (out [T, H], kv)."""
-    t = x.shape[0]
+def attention_inputs(p, x, positions, cfg: ModelConfig):
+    """x: [..., T, H]; positions: [..., T]. Returns q [..., T, Hq, D] (normed, rotated), gate [..., T, Hq*D],
+    k [..., T, Hkv, D] (normed, rotated), v [..., T, Hkv, D]."""
+    lead = x.shape[:-1]
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     proj = linear(x, p["qkv_proj"])
     if "qkv_bias" in p:
         proj = proj + p["qkv_bias"]
     q, gate, k, v = jnp.split(proj, [hq * d, 2 * hq * d, 2 * hq * d + hkv * d], axis=-1)
-    q = rms_norm(q.reshape(t, hq, d), p["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm(k.reshape(t, hkv, d), p["k_norm"], cfg.rms_norm_eps)
-    q = apply_rotary(q, inputs.positions, cfg)
-    k = apply_rotary(k, inputs.positions, cfg)
-    k_pages, v_pages = ops.write_kv(*kv, k, v.reshape(t, hkv, d), inputs.slot_mapping)
+    q = rms_norm(q.reshape(lead + (hq, d)), p["q_norm"], cfg.rms_norm_eps)
+    k = rms_norm(k.reshape(lead + (hkv, d)), p["k_norm"], cfg.rms_norm_eps)
+    q = apply_rotary(q, positions, cfg)
+    k = apply_rotary(k, positions, cfg)
+    return q, gate, k, v.reshape(lead + (hkv, d))
+
+
+def attention_output(p, attended, gate, dtype):
+    """attended: [..., T, Hq, D] (float32 from the core); gate: [..., T, Hq*D]. Returns [..., T, H] in dtype."""
+    out = attended.astype(dtype).reshape(gate.shape)
+    out = out * jax.nn.sigmoid(gate)
+    out = linear(out, p["o_proj"])
+    if "o_bias" in p:
+        out = out + p["o_bias"]
+    return out
+
+
+def full_attention(p, x, kv, inputs: StepInputs, cfg: ModelConfig):
+    """x: [T, H]; kv: (k_pages, v_pages). Returns (out [T, H], kv)."""
+    q, gate, k, v = attention_inputs(p, x, inputs.positions, cfg)
+    k_pages, v_pages = ops.write_kv(*kv, k, v, inputs.slot_mapping)
 
     def attend(q_groups, groups):
         if groups.length.shape[0] == 0:            # static: the bucket has no groups of this kind
             return jnp.zeros(q_groups.shape, jnp.float32)
         return ops.paged_attention(q_groups, k_pages, v_pages, groups.block_table, groups.kv_len,
-                                   query_positions(groups, inputs.positions), sm_scale=d ** -0.5)
+                                   query_positions(groups, inputs.positions), sm_scale=cfg.head_dim ** -0.5)
 
     out_decode = attend(to_decode(q, inputs)[:, None], inputs.decode)[:, 0]
     out_prefill = attend(to_prefill(q, inputs), inputs.prefill)
-    out = from_groups(out_decode, out_prefill, inputs).astype(x.dtype).reshape(t, hq * d)
-    out = out * jax.nn.sigmoid(gate)
-    out = linear(out, p["o_proj"])
-    if "o_bias" in p:
-        out = out + p["o_bias"]
+    out = attention_output(p, from_groups(out_decode, out_prefill, inputs), gate, x.dtype)
     return out, (k_pages, v_pages)

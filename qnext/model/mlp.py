@@ -9,6 +9,7 @@ from qnext.model.linear import linear
 
 
 def swiglu(x, gate_up, down):
+    """x: [..., H]; gate_up: [2I, H] (gate | up); down: [H, I]."""
     gate, up = jnp.split(linear(x, gate_up), 2, axis=-1)
     return linear(jax.nn.silu(gate) * up, down)
 
@@ -39,9 +40,11 @@ def grouped_matmul(rows, weights, group_sizes):
 
 
 def moe(p, x, cfg: ModelConfig):
-    """Router softmax in f32 over all experts, then top-k (renormalised when norm_topk_prob), cast to the model
-    dtype. Token copies are sorted by expert and run through grouped matmuls."""
-    t, h = x.shape
+    """x: [..., H]. Router softmax in f32 over all experts, then top-k (renormalised when norm_topk_prob), cast to
+    the model dtype. Token copies are sorted by expert and run through grouped matmuls."""
+    lead, h = x.shape[:-1], x.shape[-1]
+    x = x.reshape(-1, h)
+    t = x.shape[0]
     e, top_k = cfg.num_experts, cfg.num_experts_per_tok
     probs = jax.nn.softmax(linear(x, p["router"]).astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)                                    # [T, k]
@@ -59,10 +62,11 @@ def moe(p, x, cfg: ModelConfig):
     routed = jnp.zeros((t, h), out.dtype).at[token_of].add(out)
 
     shared = swiglu(x, p["shared_gate_up"], p["shared_down"])
-    return routed + jax.nn.sigmoid(linear(x, p["shared_gate"])) * shared
+    return (routed + jax.nn.sigmoid(linear(x, p["shared_gate"])) * shared).reshape(lead + (h,))
 
 
 def feed_forward(p, x, cfg: ModelConfig, layer: int):
+    """x: [..., H] -> [..., H]: the layer's MoE block or dense SwiGLU MLP. Shared by the engine and qnext/flax."""
     if cfg.is_moe_layer(layer):
         return moe(p, x, cfg)
     return swiglu(x, p["gate_up"], p["down"])

@@ -8,14 +8,15 @@ from qnext.model.rope import rope_frequencies
 
 
 def apply_rotary(x, positions, cfg: ModelConfig):
-    """x: [T, heads, D]; positions: [T]. Pairs (i, i + rotary_dim/2) rotate; dims past rotary_dim pass through."""
+    """x: [..., T, heads, D]; positions: [..., T]. Pairs (i, i + rotary_dim/2) rotate; dims past rotary_dim pass
+    through."""
     inv_freq, scaling = rope_frequencies(cfg)
     rd = cfg.rotary_dim
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]     # [T, rd/2]
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)                # [..., T, rd/2]
     cos = jnp.cos(angles) * scaling
     sin = jnp.sin(angles) * scaling
-    cos = jnp.concatenate([cos, cos], axis=-1)[:, None, :].astype(x.dtype)
-    sin = jnp.concatenate([sin, sin], axis=-1)[:, None, :].astype(x.dtype)
+    cos = jnp.concatenate([cos, cos], axis=-1)[..., None, :].astype(x.dtype)
+    sin = jnp.concatenate([sin, sin], axis=-1)[..., None, :].astype(x.dtype)
     x_rot, x_pass = x[..., :rd], x[..., rd:]
     half = rd // 2
     rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)

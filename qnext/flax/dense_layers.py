@@ -1,0 +1,97 @@
+"""The model over dense batches [B, T] with left padding: the Flax model's forward, differentiable.
+
+The per-layer math is the engine's own (qnext/model/attention.py, deltanet.py, mlp.py, norms.py): only the sequence
+mixers' cores differ. Attention is dense causal softmax attention with padded keys masked, where the engine reads
+paged KV; the DeltaNet runs the engine's conv op on a fresh zero state and the chunked delta rule of
+qnext/flax/delta_rule.py, where the engine runs its state-row kernels. The Pallas kernels have no VJP, so this path
+always uses the jnp forms, on GPU too.
+
+Left padding (attention_mask 0) never reaches a real token: attention masks padded keys, and a padded token is
+the DeltaNet's identity (its conv input is zeroed, beta = 0 and g = 0, so the state passes through unchanged).
+Positions count real tokens only, so a padded row's logits at its real tokens equal the unpadded row's.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels as ops
+from qnext.config import ModelConfig
+from qnext.flax.delta_rule import dense_gated_delta_rule
+from qnext.model.attention import attention_inputs, attention_output
+from qnext.model.deltanet import delta_rule_inputs, deltanet_output, deltanet_projections
+from qnext.model.linear import linear
+from qnext.model.mlp import feed_forward
+from qnext.model.norms import rms_norm
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def causal_attention(q, k, v, mask):
+    """q: [B, T, Hq, D]; k, v: [B, T, Hkv, D]; mask: [B, T] bool (False = padding key). Softmax in float32,
+    scale D^-1/2, GQA (query head h uses kv head h // (Hq / Hkv)). Returns [B, T, Hq, D] float32.
+    A query with no visible key (a padded query of a left-padded row) averages the padded keys: finite, unused."""
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.astype(jnp.float32).reshape(b, t, hkv, hq // hkv, d) * d ** -0.5
+    scores = jnp.einsum("bqgrd,bkgd->bgrqk", qg, k.astype(jnp.float32), precision=_HIGHEST)
+    visible = jnp.tril(jnp.ones((t, t), bool))[None] & mask[:, None, :]                  # [B, Tq, Tk]
+    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bgrqk,bkgd->bqgrd", probs, v.astype(jnp.float32), precision=_HIGHEST)
+    return out.reshape(b, t, hq, d)
+
+
+def dense_full_attention(p, x, positions, mask, cfg: ModelConfig):
+    """x: [B, T, H]; positions: [B, T]; mask: [B, T] bool. Returns [B, T, H]."""
+    q, gate, k, v = attention_inputs(p, x, positions, cfg)
+    return attention_output(p, causal_attention(q, k, v, mask), gate, x.dtype)
+
+
+def dense_gated_deltanet(p, x, mask, cfg: ModelConfig):
+    """x: [B, T, H]; mask: [B, T] bool. Zero initial state. Returns [B, T, H]."""
+    b, t = x.shape[:2]
+    mixed, z, beta_logits, a = deltanet_projections(p, x, cfg)
+    mixed = jnp.where(mask[..., None], mixed, 0)                  # the conv never sees a padded token's input
+    zero_state = jnp.zeros((1, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), x.dtype)
+    rows, every = jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool)
+    mixed, _ = ops.causal_conv1d_chunked(mixed, p["conv_weight"], zero_state, jnp.full((b,), t, jnp.int32),
+                                         rows - 1, rows, rows, every, every, implementation="reference")
+    q, k, v, g, beta = delta_rule_inputs(mixed, beta_logits, a, p, cfg)
+    g = jnp.where(mask[..., None], g, 0.0)                        # padded token: no decay, no update
+    beta = jnp.where(mask[..., None], beta, 0.0)
+    return deltanet_output(p, dense_gated_delta_rule(q, k, v, g, beta), z, x.dtype, cfg)
+
+
+def dense_decoder_layer(p, x, positions, mask, cfg: ModelConfig, layer: int):
+    """One pre-norm decoder layer over x [B, T, H]."""
+    h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
+    if cfg.is_linear_layer(layer):
+        x = x + dense_gated_deltanet(p["attn"], h, mask, cfg)
+    else:
+        x = x + dense_full_attention(p["attn"], h, positions, mask, cfg)
+    return x + feed_forward(p["mlp"], rms_norm(x, p["post_attn_norm"], cfg.rms_norm_eps), cfg, layer)
+
+
+def dense_forward(params, input_ids, attention_mask, cfg: ModelConfig):
+    """params: the engine's weights pytree (docs/CONTRACTS.md); input_ids: [B, T] int; attention_mask: [B, T] of
+    1 (token) / 0 (left padding), or None. Returns logits [B, T, V] float32."""
+    if cfg.tensor_parallel_size != 1:
+        raise ValueError(f"the dense forward runs one device's whole model; got a tensor-parallel shard config "
+                         f"(tensor_parallel_size={cfg.tensor_parallel_size})")
+    input_ids = jnp.asarray(input_ids)
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be [batch, tokens], got shape {input_ids.shape}")
+    if attention_mask is None:
+        mask = jnp.ones(input_ids.shape, bool)
+    else:
+        mask = jnp.asarray(attention_mask).astype(bool)
+        if mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask has shape {mask.shape}; input_ids has {input_ids.shape}")
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0)   # real tokens count from 0
+    x = params["embed"][input_ids]
+    for i, p in enumerate(params["layers"]):
+        with jax.named_scope(f"layer_{i}"):
+            x = dense_decoder_layer(p, x, positions, mask, cfg, i)
+    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return linear(h, params["lm_head"], preferred_element_type=jnp.float32)
