@@ -6,13 +6,14 @@ after it for the boundary reached) -> append_slots (decode growth) -> [the step 
 commit (publish what the step wrote) -> free (finish / abort / preempt). Nothing becomes matchable or restorable
 before the commit of the step that wrote it. What is kept and evicted first is the policy's (cache/policy.py).
 """
-from dataclasses import dataclass, field
+import weakref
 from typing import Hashable, Sequence
 
 from cache.block_pool import BlockPool
 from cache.config import CacheConfig
 from cache.hashing import BlockHashFn, block_hashes, extend_block_hashes, hash_block_tokens
 from cache.mamba_registry import MambaPrefixRegistry
+from cache.records import Admission, SequenceRecord
 from cache.policy import CachePolicy
 from cache.snapshot_pool import SnapshotPool
 from cache.stats import CacheStats
@@ -23,36 +24,14 @@ __all__ = ["Admission", "CacheConfig", "CacheManager"]
 PROMPT_END, CHECKPOINT, BRANCH, SEQUENCE_END = "prompt_end", "checkpoint", "branch", "sequence_end"
 
 
-@dataclass(frozen=True)
-class Admission:
-    num_cached_tokens: int       # tokens served from cache (a multiple of block_size, <= prompt_len - 1)
-    block_table: list[int]       # blocks covering the whole prompt (shared cached ones first, then fresh)
-    state_row: int               # the sequence's live state row
-    restore_row: int | None      # snapshot row holding the state after num_cached_tokens tokens (None if 0 cached)
-    kv_matched_tokens: int       # raw KV match before trimming to a usable snapshot (also <= prompt_len - 1)
-
-
-@dataclass
-class _Sequence:
-    prompt_len: int
-    hashes: list[bytes]                      # chain hashes of the full blocks known so far
-    block_table: list[int]
-    state_row: int
-    num_cached_tokens: int
-    chain: list[int]                         # cached block of each published position: own, or a twin's original
-    capture_plan: list[int] = field(default_factory=list)
-    pinned_row: int | None = None            # restore snapshot, pinned until the first commit
-    pending_captures: dict[int, int] = field(default_factory=dict)  # position -> reserved row
-    decode_row: int | None = None
-    decode_position: int = 0
-    branch_position: int = 0                 # where the KV match outran the state match (0: it did not)
-    restored_hash: bytes | None = None
-    kv_matched_tokens: int = 0
-    ran: bool = False                        # a step committed for it (else free() takes back its admission counts)
-    prompt_snapshots: list[bytes] = field(default_factory=list)  # prompt-end and checkpoint snapshots it registered
+def _weak_method(method):
+    ref = weakref.WeakMethod(method)
+    return lambda *args: ref()(*args)
 
 
 class CacheManager:
+    _buffers = None                 # the device buffers between steps (attach_buffers)
+
     def __init__(self, config: CacheConfig, policy: CachePolicy | None = None,
                  block_hash_fn: BlockHashFn = hash_block_tokens):
         """block_hash_fn: the chain hash (tests inject a weak one to exercise collisions)."""
@@ -60,14 +39,16 @@ class CacheManager:
         self.policy = policy or CachePolicy()
         self.block_hash_fn = block_hash_fn
         self.stats = CacheStats()
-        self.blocks = BlockPool(config.num_blocks, on_evict=self._on_kv_evicted,
+        # The pools call back through weak references: a manager must be freed by reference counting alone, since
+        # it holds the device buffers (no cycle may keep them alive until a cyclic collection).
+        self.blocks = BlockPool(config.num_blocks, on_evict=_weak_method(self._on_kv_evicted),
                                 max_cached_blocks=self.policy.cached_block_limit(config.num_blocks - 1))
         self.registry = MambaPrefixRegistry()
         first = config.num_live_slots + 1
         self.snapshots = SnapshotPool(range(first, first + config.num_snapshot_slots),
-                                      on_evict=self._on_snapshot_evicted)
+                                      on_evict=_weak_method(self._on_snapshot_evicted))
         self._free_slots = list(range(config.num_live_slots, 0, -1))
-        self._seqs: dict[Hashable, _Sequence] = {}
+        self._seqs: dict[Hashable, SequenceRecord] = {}
 
     # ---- queries --------------------------------------------------------------------------------------------------
     @property
@@ -86,6 +67,34 @@ class CacheManager:
 
     def block_table(self, seq_id) -> list[int]:
         return self._seq(seq_id).block_table
+
+    def state_rows(self, seq_id) -> tuple[int, int]:
+        """(read_row, write_row) of the sequence's next step: it starts from its restored snapshot (or the zero
+        state, -1) until a step of it has been committed, then from its own live row, which it always writes."""
+        seq = self._seq(seq_id)
+        if seq.ran:
+            return seq.state_row, seq.state_row
+        return (-1 if seq.pinned_row is None else seq.pinned_row), seq.state_row
+
+    # ---- the device buffers that the blocks and rows index ------------------------------------------------------
+    def attach_buffers(self, buffers) -> None:
+        """Takes ownership of the device buffers (cache/device_buffers.py) that this bookkeeping indexes."""
+        self._buffers = buffers
+
+    def lend_buffers(self):
+        """Hands the buffers to a step, which donates them; until `return_buffers` gives the step's new ones
+        back the manager holds none (a donated array must not be used again)."""
+        if self._buffers is None:
+            raise RuntimeError("the cache buffers are lent to a step that has not returned them")
+        buffers, self._buffers = self._buffers, None
+        return buffers
+
+    def return_buffers(self, buffers) -> None:
+        self._buffers = buffers
+
+    @property
+    def buffers(self):
+        return self._buffers
 
     def can_admit(self, prompt_len: int) -> bool:
         """Conservative: true if the prompt fits without any cache hit."""
@@ -118,7 +127,7 @@ class CacheManager:
             self.snapshots.pin(restore_row)
         self.blocks.acquire(matched[:depth])
         fresh = self.blocks.allocate(num_fresh)
-        seq = _Sequence(prompt_len=n, hashes=hashes, block_table=matched[:depth] + fresh,
+        seq = SequenceRecord(prompt_len=n, hashes=hashes, block_table=matched[:depth] + fresh,
                         state_row=self._free_slots.pop(), num_cached_tokens=depth * bs, chain=matched[:depth],
                         pinned_row=restore_row, kv_matched_tokens=len(matched) * bs)
         if restore_row is not None:
@@ -251,11 +260,11 @@ class CacheManager:
             return 0
         return self.registry.resolve_mamba_matched_blocks(hashes[:len(matched)], matched, self.snapshots.__contains__)
 
-    def _publish_limit(self, seq: _Sequence, num_computed_tokens: int, freeing: bool) -> int:
+    def _publish_limit(self, seq: SequenceRecord, num_computed_tokens: int, freeing: bool) -> int:
         tracked = seq.decode_position if seq.decode_row is not None else 0
         return self.policy.publish_limit(seq.prompt_len, num_computed_tokens, tracked, freeing)
 
-    def _publish(self, seq: _Sequence, token_ids: Sequence[int], num_tokens: int) -> None:
+    def _publish(self, seq: SequenceRecord, token_ids: Sequence[int], num_tokens: int) -> None:
         """Publish the sequence's full blocks below num_tokens in chain order, each new block once. A block whose
         prefix another block already caches stays private (a 'twin'); the sequence then holds that original until
         free, so its own later blocks always hang under a referenced chain. A hash that collides with another
@@ -279,10 +288,10 @@ class CacheManager:
                 self.blocks.acquire([cached])
             seq.chain.append(cached)
 
-    def _twin_originals(self, seq: _Sequence) -> list[int]:
+    def _twin_originals(self, seq: SequenceRecord) -> list[int]:
         return [c for c, own in zip(seq.chain, seq.block_table) if c != own]
 
-    def _register(self, seq: _Sequence, position: int, row: int) -> bool:
+    def _register(self, seq: SequenceRecord, position: int, row: int) -> bool:
         """Register the reserved row as the snapshot at `position`; False (row released) if its KV is not cached."""
         depth = position // self.config.block_size
         if not self.uses_snapshots or depth > len(seq.chain):  # its KV is not cached: the state is useless
@@ -301,7 +310,7 @@ class CacheManager:
             seq.prompt_snapshots.append(prefix_hash)
         return True
 
-    def _origin(self, seq: _Sequence, position: int) -> str:
+    def _origin(self, seq: SequenceRecord, position: int) -> str:
         if position > seq.prompt_len:
             return SEQUENCE_END
         if position == seq.branch_position:
@@ -317,7 +326,7 @@ class CacheManager:
         else:
             self.snapshots.touch(prefix_hash)
 
-    def _on_superseded(self, seq: _Sequence) -> None:
+    def _on_superseded(self, seq: SequenceRecord) -> None:
         """A finished sequence registered a deeper snapshot on its own path, so the next turn continues from that
         one. Evicted first: its prompt snapshots nobody restored, and the snapshot it restored if that was a previous
         turn's prompt or sequence end used by this sequence alone. Branch points and checkpoints are shared by
@@ -354,7 +363,7 @@ class CacheManager:
             self.blocks.set_protected(block, block in self.registry.mamba_prefix_hashes_by_block)
 
     # ---- internals ------------------------------------------------------------------------------------------------
-    def _count_admission(self, seq: _Sequence, sign: int) -> None:
+    def _count_admission(self, seq: SequenceRecord, sign: int) -> None:
         s = self.stats
         s.admissions += sign
         s.prompt_tokens += sign * seq.prompt_len
@@ -363,13 +372,13 @@ class CacheManager:
         s.lost_to_missing_state_tokens += sign * (seq.kv_matched_tokens - seq.num_cached_tokens)
         s.snapshots_restored += sign * (seq.restored_hash is not None)
 
-    def _seq(self, seq_id) -> _Sequence:
+    def _seq(self, seq_id) -> SequenceRecord:
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise KeyError(f"sequence {seq_id!r} is not admitted")
         return seq
 
-    def _unpin(self, seq: _Sequence) -> None:
+    def _unpin(self, seq: SequenceRecord) -> None:
         if seq.pinned_row is not None:
             self.snapshots.unpin(seq.pinned_row)
             seq.pinned_row = None

@@ -7,10 +7,8 @@ Split rule (`plan_cache`):
 3. Everything left is KV blocks.
 The dummy KV block 0 and the zero state row 0 are counted: kv_bytes + state_bytes is what the buffers allocate.
 """
-import logging
 from dataclasses import dataclass
 
-logger = logging.getLogger("qnext.cache")
 
 # Share of the memory after the live rows that snapshot rows may take; the trace benchmark's sweep
 # (scripts/bench_prefix_cache.py, "snapshot share" table) supports this default.
@@ -82,21 +80,6 @@ def plan_cache(budget_bytes: int, *, kv_bytes_per_block: int, state_bytes_per_ro
     return CacheSizes(num_blocks=num_blocks, block_size=block_size, num_live_rows=max_num_seqs,
                       num_snapshot_rows=num_snapshot_rows, kv_bytes=(num_blocks + 1) * kv_bytes_per_block,
                       state_bytes=state_bytes, budget_bytes=budget_bytes, max_num_snapshots=max_num_snapshots)
-
-
-def snapshot_pool_capacity(requested: int, bytes_per_snapshot: int, budget_bytes: int) -> int:
-    """min(requested, budget_bytes // bytes_per_snapshot); logs one line naming both numbers when the budget caps
-    it. 0 disables snapshot reuse. Superseded by plan_cache, which sizes the whole cache from one budget."""
-    if requested < 0 or bytes_per_snapshot <= 0 or budget_bytes < 0:
-        raise ValueError(f"requested={requested} snapshots, {bytes_per_snapshot} bytes each, budget {budget_bytes} "
-                         "bytes: need requested >= 0, bytes_per_snapshot > 0, budget >= 0")
-    fits = budget_bytes // bytes_per_snapshot
-    if fits >= requested:
-        return requested
-    logger.warning("mamba snapshot pool capped from %d to %d snapshots: budget %d bytes / %d bytes per snapshot%s",
-                   requested, fits, budget_bytes, bytes_per_snapshot,
-                   "; prefix reuse for hybrid layers is off" if fits == 0 else "")
-    return fits
 
 
 def _gib(n: int) -> str:

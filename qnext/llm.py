@@ -26,7 +26,40 @@ class LLM:
         if warm_up:
             if progress:
                 progress("compiling step shapes")
-            self.engine.runner.warm_up()
+            self.engine.warm_up()
+
+    @classmethod
+    def from_model(cls, model, tokenizer=None, *, warm_up: bool = False, **engine_options) -> "LLM":
+        """An engine on a Flax model's current weights (qnext.flax.HybridCausalLM; no checkpoint directory).
+        tokenizer: a Tokenizer, a directory with tokenizer.json, or None for the model's source checkpoint's (if
+        it has one). dtype defaults to the module's; tensor parallelism as for a path."""
+        from qnext.flax import engine_params
+        from qnext.tokenizer import Tokenizer
+
+        cfg, params = engine_params(model)
+        if tokenizer is None and model.source.directory is not None:
+            tokenizer = model.source.directory
+        if isinstance(tokenizer, (str, Path)):
+            tokenizer = Tokenizer.from_pretrained(Path(tokenizer)) if (Path(tokenizer) / "tokenizer.json").is_file() \
+                else None
+        engine_options.setdefault("dtype", str(params["embed"].dtype))
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine.from_params(cfg, params, tokenizer, **engine_options)
+        llm._ids = itertools.count()
+        if warm_up:
+            llm.engine.warm_up()
+        return llm
+
+    def update_weights(self, model) -> None:
+        """Copies the Flax model's current weights into the engine in place (no recompilation) and drops the
+        whole prefix cache (its KV and snapshots came from the old weights). Raises with requests in flight."""
+        from qnext.flax import engine_params
+
+        self.engine.update_weights(engine_params(model)[1])
+
+    def cache_info(self) -> dict:
+        """The cache's split (LLMEngine.cache_info): blocks, KV bytes, live and snapshot rows, state bytes, budget."""
+        return self.engine.cache_info()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

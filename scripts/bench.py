@@ -24,7 +24,6 @@ spell of a shared machine does not decide the ratio.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import functools
 import json
@@ -38,7 +37,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qnext.model.host_devices import request_host_devices  # noqa: E402
-from qnext.testing.bench_configs import PRESETS, bench_checkpoint  # noqa: E402
+from qnext.bench.flops import matmul_shapes, workload_flops  # noqa: E402
+from qnext.bench.presets import PRESETS, bench_checkpoint  # noqa: E402
+from qnext.engine.llm_engine import freeze_startup_heap  # noqa: E402
+from qnext.bench.transformers_driver import agreement, load_hf, random_prompts, run_hf  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,48 +112,6 @@ def parse_args(argv=None):
     return args
 
 
-# ---- FLOPs ---------------------------------------------------------------------------------------------------------
-def matmul_shapes(cfg) -> list[tuple[int, int]]:
-    """(K, N) of every weight matrix a token goes through (active experts only), lm_head last."""
-    h = cfg.hidden_size
-    shapes = []
-    for i in range(cfg.num_hidden_layers):
-        if cfg.is_linear_layer(i):
-            shapes += [(h, cfg.conv_dim + cfg.value_dim + 2 * cfg.linear_num_value_heads), (cfg.value_dim, h)]
-        else:
-            q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-            shapes += [(h, 2 * q + 2 * kv), (q, h)]
-        if cfg.is_moe_layer(i):
-            shapes += [(h, cfg.num_experts)]
-            shapes += [(h, 2 * cfg.moe_intermediate_size), (cfg.moe_intermediate_size, h)] * cfg.num_experts_per_tok
-            shapes += [(h, 2 * cfg.shared_expert_intermediate_size), (cfg.shared_expert_intermediate_size, h), (h, 1)]
-        else:
-            shapes += [(h, 2 * cfg.intermediate_size), (cfg.intermediate_size, h)]
-    return shapes + [(h, cfg.vocab_size)]
-
-
-def token_flops(cfg, context: float, sampled: bool) -> dict[str, float]:
-    """FLOPs of one token at `context` tokens of history: matmuls (2 per MAC), attention QK^T + PV over the
-    context, the delta rule's state terms (decay, S^T k, k delta^T, S^T q: 4 dk dv per value head), conv."""
-    body = sum(2 * k * n for k, n in matmul_shapes(cfg)[:-1])
-    lm_head = 2 * cfg.hidden_size * cfg.vocab_size if sampled else 0
-    attn = 4 * cfg.num_attention_heads * cfg.head_dim * context * len(cfg.full_layer_ids)
-    delta = len(cfg.linear_layer_ids) * cfg.linear_num_value_heads * (
-        2 * 4 * cfg.linear_key_head_dim * cfg.linear_value_head_dim) + 2 * cfg.conv_dim * cfg.linear_conv_kernel_dim
-    return {"matmul": body + lm_head, "attention": attn, "deltanet": delta}
-
-
-def workload_flops(cfg, prompt_lens: list[int], output_len: int) -> dict[str, float]:
-    """Prefill (every prompt token; lm_head only for the last) and decode (output_len - 1 steps) FLOPs."""
-    prefill = decode = 0.0
-    for n in prompt_lens:
-        body = token_flops(cfg, (n - 1) / 2, False)
-        prefill += n * (body["matmul"] + body["attention"] + body["deltanet"]) + 2 * cfg.hidden_size * cfg.vocab_size
-        for j in range(1, output_len):
-            decode += sum(token_flops(cfg, n + j, True).values())
-    return {"prefill": prefill, "decode": decode}
-
-
 # ---- the machine's limit -------------------------------------------------------------------------------------------
 def gemm_rates(cfg, ms: list[int], dtypes: tuple[str, ...], reps: int = 3) -> dict[int, dict[str, dict]]:
     """{m: {dtype: result}}: seconds and FLOP/s of x [m, K] times every weight matrix of the model (distinct weights,
@@ -200,84 +160,31 @@ def gemm_rates(cfg, ms: list[int], dtypes: tuple[str, ...], reps: int = 3) -> di
 
 # ---- qnext ---------------------------------------------------------------------------------------------------------
 class StepProfile:
-    """Times the parts of engine.step() by wrapping the engine's own callables on this instance (the engine code is
-    unchanged). The jitted step is followed by block_until_ready, so `jit_step` is its device time."""
+    """Per engine step: its wall time and its phases, read from the engine's own counters (EngineStats): schedule,
+    layout (StepInputs), device (the jitted step until its results are ready), sample, postprocess; plus the
+    sequences and tokens it ran and how many model steps (a multi-step call runs several)."""
 
-    PARTS = ("schedule", "build_inputs", "jit_step", "sampler_inputs", "execute")
+    PARTS = ("schedule", "layout", "device", "sample", "postprocess")
+    _COUNTERS = tuple(f"{p}_seconds" for p in PARTS) + ("num_scheduled_sequences", "num_scheduled_tokens",
+                                                         "num_model_steps")
 
     def __init__(self, engine):
-        import jax
-
-        import qnext.engine.runner as runner_module
-
         self.engine = engine
         self.records: list[dict] = []
-        self._cur: dict | None = None
-        runner = engine.runner
-        schedule = engine.scheduler.schedule
-
-        def scheduled():
-            items = schedule()
-            if self._cur is not None:
-                self._cur["rows"] = len(items)
-                self._cur["tokens"] = sum(it.num_tokens for it in items)
-            return items
-        engine.scheduler.schedule = self._timed(scheduled, "schedule")
-        self._wrap(runner, "execute", "execute")
-        execute_multi = runner.execute_multi
-
-        def multi(*a, **kw):               # several decode steps in one call: `steps` is how many ran
-            tokens, ran = execute_multi(*a, **kw)
-            if self._cur is not None:
-                self._cur["steps"] = int(ran.max())
-            return tokens, ran
-        runner.execute_multi = self._timed(multi, "execute")
-        self._wrap(runner.sampler_inputs, "build", "sampler_inputs")
-        step = runner._step
-        runner._step = self._timed(lambda *a: jax.block_until_ready(step(*a)), "jit_step")
-        self._step_fn, self._multi_fn = step, runner._multi_step
-        if runner._multi_step is not None:
-            runner._multi_step = self._timed(lambda *a: jax.block_until_ready(self._multi_fn(*a)), "jit_step")
-        build = runner_module.build_step_inputs
-        self._module, self._build = runner_module, build
-        runner_module.build_step_inputs = self._timed(build, "build_inputs")
-
-    def close(self):
-        self._module.build_step_inputs = self._build
-        self.engine.runner._step, self.engine.runner._multi_step = self._step_fn, self._multi_fn
-        for obj, name in ((self.engine.runner, "execute"), (self.engine.runner, "execute_multi"),
-                          (self.engine.runner.sampler_inputs, "build"), (self.engine.scheduler, "schedule")):
-            obj.__dict__.pop(name, None)           # the class's method again
-
-    def _timed(self, fn, part):
-        def wrapper(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                if self._cur is not None:
-                    self._cur[part] += time.perf_counter() - t0
-        return wrapper
-
-    def _wrap(self, obj, attr, part):
-        setattr(obj, attr, self._timed(getattr(obj, attr), part))
 
     def step(self):
-        self._cur = dict.fromkeys(self.PARTS, 0.0)
         stats = self.engine.stats
-        device0 = stats.device_seconds
+        before = {k: getattr(stats, k) for k in self._COUNTERS}
         t0 = time.perf_counter()
         outputs = self.engine.step()
-        self._cur["step"] = time.perf_counter() - t0
-        self._cur["engine_device"] = stats.device_seconds - device0
-        self.records.append(self._cur)
-        self._cur = None
+        record = {"step": time.perf_counter() - t0}
+        delta = {k: getattr(stats, k) - before[k] for k in self._COUNTERS}
+        record.update({p: delta[f"{p}_seconds"] for p in self.PARTS})
+        record.update(rows=delta["num_scheduled_sequences"], tokens=delta["num_scheduled_tokens"],
+                      steps=delta["num_model_steps"])
+        if record["rows"]:
+            self.records.append(record)
         return outputs
-
-
-def step_compilations(engine) -> int:
-    multi = engine.runner._multi_step
-    return engine.runner._step._cache_size() + (multi._cache_size() if multi is not None else 0)
 
 
 def run_qnext(engine, prompts: list[list[int]], output_len: int, tag: str) -> dict:
@@ -285,9 +192,9 @@ def run_qnext(engine, prompts: list[list[int]], output_len: int, tag: str) -> di
     from qnext.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    compiled = step_compilations(engine)
+    compiled = engine.stats.num_compilations
     profile = StepProfile(engine)
-    cache0 = dataclasses.asdict(engine.cache.stats)
+    cache0 = dataclasses.asdict(engine.cache_stats)
     t0 = time.perf_counter()
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
@@ -303,12 +210,11 @@ def run_qnext(engine, prompts: list[list[int]], output_len: int, tag: str) -> di
                     done[o.request_id] = now
                     tokens[o.request_id] = list(o.outputs[0].token_ids)
     finally:
-        profile.close()
         for rid in ids:
             engine.release(rid)
     total = max(done.values()) - t0
-    compiled = step_compilations(engine) - compiled
-    cache1 = dataclasses.asdict(engine.cache.stats)
+    compiled = engine.stats.num_compilations - compiled
+    cache1 = dataclasses.asdict(engine.cache_stats)
     return {
         "seconds": total,
         "output_tokens_per_s": len(prompts) * output_len / total,
@@ -327,78 +233,17 @@ def host_summary(steps: list[dict], decode_rows: int | None = None) -> dict:
     """Means per model step (an engine step that ran several decode steps in one call counts as that many);
     with decode_rows, only the decode-only steps of exactly that many sequences."""
     if decode_rows is not None:
-        steps = [s for s in steps if s.get("rows") == decode_rows and s.get("tokens") == decode_rows]
+        steps = [s for s in steps if s["rows"] == decode_rows and s["tokens"] == decode_rows]
     if not steps:
         return {}
-    count = sum(s.get("steps", 1) for s in steps)
-    mean = {k: float(sum(s[k] for s in steps) / count) for k in StepProfile.PARTS + ("step", "engine_device")}
-    host = mean["step"] - mean["jit_step"]
+    count = sum(max(1, s["steps"]) for s in steps)
+    mean = {k: float(sum(s[k] for s in steps) / count) for k in StepProfile.PARTS + ("step",)}
+    host = mean["step"] - mean["device"]
     return {"num_steps": count, **{f"{k}_s": v for k, v in mean.items()},
-            "host_s": host, "host_fraction": host / mean["step"],
-            "engine_host_overhead": 1 - mean["engine_device"] / mean["step"],
-            "sample_and_transfer_s": mean["execute"] - mean["build_inputs"] - mean["jit_step"]
-            - mean["sampler_inputs"],
-            "outside_execute_s": mean["step"] - mean["schedule"] - mean["execute"]}
-
-
-# ---- transformers ------------------------------------------------------------------------------------------------
-def load_hf(path: Path, dtype: str, threads: int):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
-    return model.eval()
-
-
-def run_hf(model, prompts: list[list[int]], output_len: int, pad_id: int) -> dict:
-    """One batched generate, left-padded with an attention mask; a logits processor stamps every step."""
-    import torch
-    from transformers import LogitsProcessor, LogitsProcessorList
-
-    stamps = []
-
-    class Stamp(LogitsProcessor):
-        def __call__(self, input_ids, scores):
-            stamps.append(time.perf_counter())
-            return scores
-
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    # qnext's requests use ignore_eos: an EOS neither stops a request nor is suppressed. generate does the same when
-    # its EOS id is one no step can produce (min_new_tokens would instead mask every EOS id, and the two engines'
-    # greedy outputs would part wherever an EOS was the argmax; None falls back to the model's EOS ids).
-    config = copy.deepcopy(model.generation_config)
-    config.eos_token_id = model.config.get_text_config().vocab_size
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, do_sample=False,
-                             max_new_tokens=output_len, pad_token_id=pad_id,
-                             logits_processor=LogitsProcessorList([Stamp()]))
-    total = time.perf_counter() - t0
-    if out.shape[1] - width != output_len:
-        raise RuntimeError(f"transformers generated {out.shape[1] - width} tokens, not {output_len}")
-    ttft = stamps[0] - t0
-    return {"seconds": total, "output_tokens_per_s": len(prompts) * output_len / total,
-            "ttft_s": [ttft] * len(prompts), "tpot_s": [(total - ttft) / (output_len - 1)] * len(prompts),
-            "tokens": out[:, width:].tolist()}
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
-    same = sum(x == y for x, y in zip(a, b))
-    prefix = [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), len(x)) / len(x) for x, y in zip(a, b)]
-    return {"identical_outputs": same / len(a), "mean_matching_prefix": float(np.mean(prefix))}
+            "host_s": host, "host_fraction": host / mean["step"]}
 
 
 # ---- workloads -----------------------------------------------------------------------------------------------------
-def random_prompts(rng, n: int, lens: tuple[int, int], vocab: int) -> list[list[int]]:
-    return [rng.integers(3, vocab - 8, int(rng.integers(lens[0], lens[1] + 1))).tolist() for _ in range(n)]
-
-
 def engine_options(args, batches: list[int], budget: int, enable_prefix_caching: bool) -> dict:
     """One set of buffer shapes per model (offline and chat engines share every compilation)."""
     chat_len = args.first_message + (args.turns - 1) * (args.message + args.reply) + args.reply
@@ -419,7 +264,7 @@ def run_chat(engines: dict, args, vocab: int, rng) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=args.reply, ignore_eos=True)
 
     def one(engine, rid, prompt):
-        stats0 = dataclasses.asdict(engine.cache.stats)
+        stats0 = dataclasses.asdict(engine.cache_stats)
         t0 = time.perf_counter()
         engine.add_request(rid, {"prompt_token_ids": prompt}, params)
         ttft, out = None, None
@@ -429,7 +274,7 @@ def run_chat(engines: dict, args, vocab: int, rng) -> dict:
                 if o.finished:
                     out = list(o.outputs[0].token_ids)
         engine.release(rid)
-        stats1 = dataclasses.asdict(engine.cache.stats)
+        stats1 = dataclasses.asdict(engine.cache_stats)
         return ttft, out, {k: stats1[k] - stats0[k] for k in ("prompt_tokens", "reused_tokens", "kv_matched_tokens",
                                                               "lost_to_missing_state_tokens")}
 
@@ -459,11 +304,11 @@ def run_chat(engines: dict, args, vocab: int, rng) -> dict:
         return None
 
     chat(1, "chat-warmup", record=False)     # a chat of the same shapes first: compiles, fills both caches alike
-    compiled = step_compilations(engines[True])   # one jitted step per model config: shared by both engines
+    compiled = engines[True].stats.num_compilations   # process-wide: both engines' compilations count
     turns = chat(args.chats, "chat", record=True)
     return {"turns": turns, "chats": args.chats,
-            "compilations_while_timed": step_compilations(engines[True]) - compiled,
-            "cache_stats_on": engines[True].cache.stats.as_dict()}
+            "compilations_while_timed": engines[True].stats.num_compilations - compiled,
+            "cache_stats_on": engines[True].cache_stats.as_dict()}
 
 
 # ---- one model -----------------------------------------------------------------------------------------------------
@@ -491,6 +336,7 @@ def bench_model(name: str, args, hf_ok: bool, log) -> dict:
     one_step = None              # the same engine with one decode step per call (shares its compilations)
     if args.one_step_baseline and options["num_scheduler_steps"] > 1:
         one_step = qnext.LLM(path, **dict(options, num_scheduler_steps=1)).engine
+    freeze_startup_heap()        # as a long-running server would (docs/engine.md)
 
     hf = None
     if hf_batches and hf_ok:
@@ -647,12 +493,10 @@ def print_report(report: dict) -> None:
         for b, host in r["host"].items():
             if host:
                 print(f"  host per decode step at batch {b}: step {fmt_s(host['step_s'])}, jitted step "
-                      f"{fmt_s(host['jit_step_s'])}, outside it {fmt_s(host['host_s'])} "
-                      f"({100 * host['host_fraction']:.1f}%: schedule {fmt_s(host['schedule_s'])}, inputs "
-                      f"{fmt_s(host['build_inputs_s'])}, sampler inputs {fmt_s(host['sampler_inputs_s'])}, sample+"
-                      f"transfer {fmt_s(host['sample_and_transfer_s'])}, commit/append "
-                      f"{fmt_s(host['outside_execute_s'])}); EngineStats.host_overhead says "
-                      f"{100 * host['engine_host_overhead']:.1f}%")
+                      f"{fmt_s(host['device_s'])}, outside it {fmt_s(host['host_s'])} "
+                      f"({100 * host['host_fraction']:.1f}%: schedule {fmt_s(host['schedule_s'])}, layout "
+                      f"{fmt_s(host['layout_s'])}, sample {fmt_s(host['sample_s'])}, postprocess "
+                      f"{fmt_s(host['postprocess_s'])})")
         chat = r.get("chat")
         if chat:
             print(f"  multi-turn chat ({chat['chats']} chats, median TTFT per turn, one request at a time):")

@@ -70,10 +70,8 @@ def build_llm(args):
                         tensor_parallel_size=args.tensor_parallel_size)
         bar.update()
     if not args.no_warm_up:
-        runner = llm.engine.runner
-        total = len(runner.buckets)
-        with tqdm(total=total, desc="compiling step shapes", unit="shape", leave=False) as bar:
-            runner.warm_up(on_bucket=bar.update)
+        with tqdm(total=llm.engine.num_step_shapes, desc="compiling step shapes", unit="shape", leave=False) as bar:
+            llm.engine.warm_up(on_bucket=bar.update)
     return llm, model
 
 
@@ -91,7 +89,7 @@ class Stats:
         self.turns = 0
 
     def line(self, llm) -> str:
-        cache = llm.engine.cache.stats
+        cache = llm.engine.cache_stats
         return (f"[stats] {self.tokens / max(self.seconds, 1e-9):.1f} tokens/s, "
                 f"TTFT {1000 * self.ttft / max(self.turns, 1):.0f} ms (mean of {self.turns}), "
                 f"prompt tokens {cache.prompt_tokens}, reused from cache {cache.reused_tokens}, "

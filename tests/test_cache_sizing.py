@@ -1,8 +1,6 @@
-import logging
-
 import pytest
 
-from cache import plan_cache, snapshot_pool_capacity
+from cache import plan_cache
 
 MIB = 1 << 20
 # Qwen3-Next-80B-like units: 24 KiB of KV per token, 74 MiB per state row
@@ -72,22 +70,3 @@ def test_bad_arguments_say_what_is_wrong():
         plan(40 * 1024 * MIB, snapshot_memory_fraction=1.5)
     with pytest.raises(ValueError, match="max_num_snapshots=-1"):
         plan(40 * 1024 * MIB, max_num_snapshots=-1)
-
-
-def test_capacity_is_bounded_by_the_budget_and_logs_both_numbers(caplog):
-    with caplog.at_level(logging.INFO, logger="qnext.cache"):
-        assert snapshot_pool_capacity(128, 74 * MIB, 1000 * MIB) == 13
-    [rec] = caplog.records
-    assert rec.name == "qnext.cache" and "128" in rec.getMessage() and "13" in rec.getMessage()
-
-
-def test_no_log_when_the_configured_maximum_fits(caplog):
-    with caplog.at_level(logging.INFO, logger="qnext.cache"):
-        assert snapshot_pool_capacity(8, 74 * MIB, 1000 * MIB) == 8
-    assert not caplog.records
-
-
-def test_zero_budget_disables_cleanly(caplog):
-    with caplog.at_level(logging.INFO, logger="qnext.cache"):
-        assert snapshot_pool_capacity(16, 74 * MIB, 10 * MIB) == 0
-    assert "off" in caplog.records[0].getMessage()

@@ -121,7 +121,7 @@ def test_partial_kv_eviction_keeps_outputs_exact(next_path):
     for _ in range(4):                                     # other traffic
         other = [{"prompt_token_ids": ids(rng, 80)} for _ in range(2)]
         warm.generate(other, GREEDY)
-    stats = warm.engine.cache.stats
+    stats = warm.engine.cache_stats
     assert stats.kv_blocks_evicted > 0
     follow_up = {"prompt_token_ids": conversation + ids(rng, 10)}
     assert_same(warm.generate(follow_up, GREEDY_LOGPROBS), cold.generate(follow_up, GREEDY_LOGPROBS))
@@ -171,14 +171,14 @@ def test_abort_frees_the_request(next_path):
     out = llm.engine.abort_request("a")
     assert out.finished and out.outputs[0].finish_reason == "abort"
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.cache.num_free_slots == ENGINE["max_num_seqs"]
+    assert llm.engine.scheduler.cache.num_free_slots == ENGINE["max_num_seqs"]
 
 
 def test_plain_greedy_batches_skip_the_sampler_with_the_same_tokens(next_path, monkeypatch):
     """Greedy rows without logprobs, penalties or suppressed ids take the step's own argmax; forcing every batch
     through the sampler gives the same tokens, and the fast path really skips it."""
     import qnext.engine.runner as runner_module
-    from qnext.engine.sampler import SamplerInputBuilder
+    from qnext.engine.sampling_inputs import SamplerInputBuilder
 
     rng = np.random.default_rng(8)
     batch = [{"prompt_token_ids": ids(rng, n)} for n in (9, 30, 51)]
@@ -222,7 +222,7 @@ def test_in_place_state_rows_match_batched_rows(next_path, monkeypatch):
         for turn in range(2):
             got = warm.generate([{"prompt_token_ids": h} for h in turns[turn]], GREEDY_LOGPROBS)
             assert_same(got, expected[turn])
-        assert warm.engine.cache.stats.snapshots_restored > 0
+        assert warm.engine.cache_stats.snapshots_restored > 0
     finally:
         make_engine_step.cache_clear()                 # later tests trace the default path again
         jax.clear_caches()

@@ -40,7 +40,7 @@ def count_calls(llm, name):
 def test_multi_step_tokens_and_stops_match_single_steps(path):
     single = qnext.LLM(path, **ENGINE)
     multi = qnext.LLM(path, num_scheduler_steps=STEPS, **ENGINE)
-    multi.engine.runner.warm_up()
+    multi.engine.warm_up()
     prompts = ["Once upon a time", "the quick brown fox " * 3, "x", "a lighthouse keeper wrote"]
     base = single.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     tokens = [o.outputs[0].token_ids for o in base]
@@ -59,7 +59,7 @@ def test_multi_step_tokens_and_stops_match_single_steps(path):
         if event == "/jax/core/compile/backend_compile_duration":
             compiles.append(duration)
 
-    calls = count_calls(multi, "execute_multi")
+    calls = count_calls(multi, "_execute_multi")
     expected = finished(single.generate(prompts, params))
     steps_before = multi.engine.stats.num_steps
     jax.monitoring.register_event_duration_secs_listener(listener)
@@ -136,7 +136,7 @@ def test_multi_step_chat_reuses_like_single_steps(path):
             stopped_early = True
         history = history + got.outputs[0].token_ids + rng.integers(3, 500, 5 + 3 * turn).tolist()
     assert stopped_early
-    stats = [dataclasses.asdict(llm.engine.cache.stats) for llm in (single, multi)]
+    stats = [dataclasses.asdict(llm.engine.cache_stats) for llm in (single, multi)]
     for key in ("reused_tokens", "lost_to_missing_state_tokens", "snapshots_captured", "snapshots_restored"):
         assert stats[1][key] == stats[0][key], key
 

@@ -1,8 +1,9 @@
 import numpy as np
 import pytest
 
-from qnext.engine.sampler import (PenaltyState, SamplerInputBuilder, SamplingRow, apply_penalties, check_stop,
-                                  logprobs_bucket, sample)
+from qnext.engine.postprocess import check_stop
+from qnext.engine.sampler import apply_penalties, sample
+from qnext.engine.sampling_inputs import PenaltyState, SamplerInputBuilder, SamplingRow, logprobs_bucket
 from qnext.outputs import Logprob, logprobs_entry
 from qnext.sampling_params import SamplingParams
 

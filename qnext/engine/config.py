@@ -16,8 +16,11 @@ class EngineConfig:
     dtype: str = "float32"
     seed: int = 0
     num_gpu_blocks_override: int | None = None  # KV blocks (the dummy block 0 comes on top)
-    max_num_snapshots: int | None = None      # prefix snapshot rows; None: 4 x max_num_seqs
-    snapshot_memory_bytes: int | None = None  # byte budget for snapshot rows; caps max_num_snapshots
+    gpu_memory_utilization: float = 0.9       # GPU: share of device memory for weights, activations and the cache
+    kv_cache_memory_bytes: int | None = None  # the cache's byte budget (per device): KV + state rows; overrides ^
+    snapshot_memory_fraction: float = 0.75    # share of the budget after the live rows that snapshots may take
+    max_num_snapshots: int | None = None      # cap on prefix snapshot rows; None: 4 x max_num_seqs
+    snapshot_memory_bytes: int | None = None  # cap on the snapshot rows' bytes
     prefill_chunk: int | None = None          # rows per prefill group of the delta-rule kernel; None: by backend
     max_prefill_groups_extra: int = 8         # prefill groups a step may have beyond tokens / chunk
     num_scheduler_steps: int = 1              # decode steps per jitted call (1: one step per call)
@@ -38,7 +41,12 @@ class EngineConfig:
                              f"({self.max_num_seqs})")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
-        for name in ("num_gpu_blocks_override", "max_num_snapshots", "snapshot_memory_bytes", "max_model_len"):
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not isinstance(self.snapshot_memory_fraction, (int, float)) or not 0 <= self.snapshot_memory_fraction <= 1:
+            raise ValueError(f"snapshot_memory_fraction must be in [0, 1], got {self.snapshot_memory_fraction!r}")
+        for name in ("num_gpu_blocks_override", "max_num_snapshots", "snapshot_memory_bytes", "max_model_len",
+                     "kv_cache_memory_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be a non-negative integer or None, got {value!r}")

@@ -24,6 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from qnext.config import ModelConfig
 from qnext.engine.sampler import SamplingTensors, first_argmax, sample
@@ -32,8 +33,7 @@ from qnext.model.step_inputs import StepInputs
 from qnext.model.tensor_parallel import local_config, shard_step
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
+@struct.dataclass
 class MultiStepInputs:
     """Per-row plan of one multi-step call over a decode bucket of D rows, K steps."""
 
@@ -98,4 +98,4 @@ def make_multi_step(cfg: ModelConfig, num_steps: int, block_size: int, tensor_pa
         _, _, _, out, ran, buffers = jax.lax.while_loop(more, body, carry)
         return out, ran, buffers
 
-    return jax.jit(shard_step(run, tensor_parallel_size, 2), donate_argnums=(1,))
+    return jax.jit(shard_step(run, cfg, tensor_parallel_size, 2), donate_argnums=(1,))

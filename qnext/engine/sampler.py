@@ -1,4 +1,4 @@
-"""Sampling on device for a padded batch of rows, and the host code that builds its inputs.
+"""Sampling on device for a padded batch of rows (the host builds its inputs in sampling_inputs.py).
 
 Per row, as vLLM does it: min_tokens suppression -> repetition/frequency/presence penalties -> (temperature 0:
 argmax here) -> temperature -> top-k -> top-p -> min-p -> Gumbel-max draw. Returned logprobs are those of the
@@ -14,15 +14,12 @@ seed (or, unseeded, on the engine seed and its arrival index) and never on the b
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from qnext.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+from qnext.sampling_params import GREEDY_TEMPERATURE
 
 _KEY_IMPL = "threefry2x32"
 
@@ -128,167 +125,3 @@ def sample(logits, tensors: SamplingTensors, num_logprobs: int | None = 0) -> Sa
     ranks = (raw_logprobs > token_logprobs[:, None]).sum(-1).astype(jnp.int32) + 1
     top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
     return SamplerOutput(tokens, token_logprobs, ranks, top_logprobs, top_ids.astype(jnp.int32))
-
-
-def logprobs_bucket(max_logprobs: int) -> int:
-    """Static top-logprobs width K for a batch whose largest request asks for max_logprobs: 0 or a power of 2."""
-    return 0 if max_logprobs <= 0 else 1 << (max_logprobs - 1).bit_length()
-
-
-def request_key_data(seed: int | None, engine_seed: int, request_index: int) -> np.ndarray:
-    """[2] uint32 threefry key: from the request's own seed, else from (engine seed, arrival index)."""
-    if seed is not None:
-        seed %= 1 << 64
-        return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
-    return np.random.SeedSequence([engine_seed % (1 << 64), request_index]).generate_state(2, np.uint32)
-
-
-class PenaltyState:
-    """Per request: counts of each output token [V] int32 and the prompt-token mask [V] bool, kept on host and
-    updated incrementally (only tokens appended since the last call are counted)."""
-
-    def __init__(self, vocab_size: int):
-        self.vocab_size = vocab_size
-        self._rows: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}
-
-    def get(self, request_id: str, prompt_token_ids: Sequence[int],
-            output_token_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        row = self._rows.get(request_id)
-        if row is None or row[2] > len(output_token_ids):
-            prompt_mask = np.zeros(self.vocab_size, np.bool_)
-            prompt_mask[np.asarray(prompt_token_ids, np.int64)] = True
-            row = (np.zeros(self.vocab_size, np.int32), prompt_mask, 0)
-        counts, prompt_mask, num_counted = row
-        np.add.at(counts, np.asarray(output_token_ids[num_counted:], np.int64), 1)
-        self._rows[request_id] = (counts, prompt_mask, len(output_token_ids))
-        return counts, prompt_mask
-
-    def free(self, request_id: str) -> None:
-        self._rows.pop(request_id, None)
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-
-@dataclass
-class SamplingRow:
-    """Host view of one request that samples a token this step."""
-    request_id: str
-    params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]  # generated so far; its length is the position of the token drawn now
-    request_index: int = 0  # engine-wide arrival counter; seeds unseeded requests
-
-
-class SamplerInputBuilder:
-    """Builds SamplingTensors for a padded batch. Padding rows are greedy with no suppression.
-    Call free(request_id) when a request finishes."""
-
-    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int] = (), seed: int = 0):
-        self.vocab_size = vocab_size
-        self.eos_token_ids = tuple(eos_token_ids)
-        self.seed = seed
-        self.penalties = PenaltyState(vocab_size)
-        self._key_data: dict[str, np.ndarray] = {}
-
-    def build(self, rows: Sequence[SamplingRow], num_rows: int) -> tuple[SamplingTensors, int]:
-        """-> (tensors with leading dim num_rows, num_logprobs K for `sample`: None when no row wants logprobs)."""
-        if len(rows) > num_rows:
-            raise ValueError(f"{len(rows)} rows do not fit a batch of {num_rows}")
-        n, v = num_rows, self.vocab_size
-        temperature = np.zeros(n, np.float32)
-        min_p = np.zeros(n, np.float32)
-        key_data = np.zeros((n, 2), np.uint32)
-        position = np.zeros(n, np.int32)
-        suppressed = [self._suppressed_ids(r) for r in rows]
-        width = max(4, logprobs_bucket(max((len(s) for s in suppressed), default=0)))
-        suppressed_ids = np.full((n, width), v, np.int32)
-        for i, (r, ids) in enumerate(zip(rows, suppressed)):
-            p = r.params
-            temperature[i] = 0.0 if p.greedy else p.temperature
-            min_p[i] = p.min_p
-            key_data[i] = self._request_key_data(r)
-            position[i] = len(r.output_token_ids)
-            suppressed_ids[i, :len(ids)] = ids
-        all_greedy = all(r.params.greedy for r in rows)
-        tensors = SamplingTensors(temperature, min_p, None if all_greedy else key_data, position, suppressed_ids)
-
-        if any(r.params.uses_top_k_top_p for r in rows):
-            top_k = np.full(n, v, np.int32)
-            top_p = np.ones(n, np.float32)
-            for i, r in enumerate(rows):
-                if r.params.top_k > 0:
-                    top_k[i] = min(r.params.top_k, v)
-                top_p[i] = r.params.top_p
-            tensors = tensors._replace(top_k=top_k, top_p=top_p)
-
-        if any(r.params.uses_penalties for r in rows):
-            presence = np.zeros(n, np.float32)
-            frequency = np.zeros(n, np.float32)
-            repetition = np.ones(n, np.float32)
-            counts = np.zeros((n, v), np.int32)
-            prompt_mask = np.zeros((n, v), np.bool_)
-            for i, r in enumerate(rows):
-                p = r.params
-                if not p.uses_penalties:
-                    continue
-                presence[i], frequency[i], repetition[i] = (p.presence_penalty, p.frequency_penalty,
-                                                            p.repetition_penalty)
-                counts[i], prompt_mask[i] = self.penalties.get(r.request_id, r.prompt_token_ids,
-                                                               r.output_token_ids)
-            tensors = tensors._replace(presence_penalty=presence, frequency_penalty=frequency,
-                                       repetition_penalty=repetition, output_counts=counts,
-                                       prompt_mask=prompt_mask)
-
-        if all(r.params.logprobs is None for r in rows):
-            return tensors, None
-        num_logprobs = logprobs_bucket(max((r.params.logprobs or 0 for r in rows), default=0))
-        return tensors, min(num_logprobs, v)
-
-    def plain_greedy(self, rows: Sequence[SamplingRow]) -> bool:
-        """True when every row's token is the argmax of its raw logits: greedy, no logprobs, no penalties and no
-        ids suppressed now (min_tokens). `sample` would return exactly that token, logprob 0 and rank 1."""
-        return all(r.params.greedy for r in rows) and self.stateless(rows)
-
-    def stateless(self, rows: Sequence[SamplingRow]) -> bool:
-        """True when every row's next tokens depend only on its logits and output position: no logprobs, no
-        penalties (output counts) and no ids suppressed now (min_tokens, which is never active again once it is
-        not). Such rows can draw several tokens in a row on device, each from these tensors at position + k."""
-        return all(r.params.logprobs is None and not r.params.uses_penalties and not self._suppressed_ids(r)
-                   for r in rows)
-
-    def free(self, request_id: str) -> None:
-        self.penalties.free(request_id)
-        self._key_data.pop(request_id, None)
-
-    def _request_key_data(self, row: SamplingRow) -> np.ndarray:
-        key = self._key_data.get(row.request_id)
-        if key is None:
-            key = request_key_data(row.params.seed, self.seed, row.request_index)
-            self._key_data[row.request_id] = key
-        return key
-
-    def _suppressed_ids(self, row: SamplingRow) -> list[int]:
-        p = row.params
-        if len(row.output_token_ids) >= p.min_tokens:
-            return []
-        eos = () if p.ignore_eos else self.eos_token_ids
-        return sorted({t for t in (*eos, *p.stop_token_ids) if 0 <= t < self.vocab_size})
-
-
-def check_stop(params: SamplingParams, output_token_ids: Sequence[int], eos_token_ids: Sequence[int],
-               num_tokens: int, max_model_len: int) -> tuple[str, int | None] | None:
-    """vLLM's token-level stop check after a token was appended -> (finish_reason, stop_reason) or None.
-    Before min_tokens only the length limits stop a request. Eos (any of eos_token_ids, unless ignore_eos) gives
-    ("stop", None); a stop_token_id gives ("stop", id); max_tokens or max_model_len gives ("length", None).
-    num_tokens = prompt + output. Stop strings are the detokenizer's (IncrementalDetokenizer.update)."""
-    num_output = len(output_token_ids)
-    if num_output >= params.min_tokens and num_output > 0:
-        last = output_token_ids[-1]
-        if not params.ignore_eos and last in eos_token_ids:
-            return "stop", None
-        if last in params.stop_token_ids:
-            return "stop", last
-    if num_tokens >= max_model_len or (params.max_tokens is not None and num_output >= params.max_tokens):
-        return "length", None
-    return None

@@ -1,47 +1,50 @@
-"""Continuous batching: which sequences run this step and how many tokens each, under a token budget.
+"""Continuous batching and the host side of a step: the scheduler owns the cache manager, plans each step
+completely (StepPlan) and post-processes its result.
 
 Running sequences go first (decode tokens and continuing prefill chunks, oldest first), then waiting ones are
-admitted while the budget, `max_num_seqs`, the step's group capacity and the cache allow. A running sequence
-that cannot get a KV block preempts the newest running sequence (by recompute: its cache is released and it
-goes back to the front of the queue; its output so far is kept and recomputed as part of its prompt).
+admitted while the token budget, `max_num_seqs`, a compiled step shape and the cache allow. A running sequence
+that cannot get a KV block preempts the newest running sequence (by recompute: its cache is released and it goes
+back to the front of the queue; its output so far is kept and recomputed as part of its prompt).
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import time
-from typing import Any, Callable
+from collections.abc import Sequence as Seq
 
 from cache import CacheManager
+from cache.device_buffers import CacheBuffers
 from qnext.engine.config import EngineConfig
+from qnext.engine.plan import MultiStepPlan, ScheduledSequence, StepPlan, StepResult
+from qnext.engine.postprocess import Stop, append_sampled, append_tokens, device_stop_ids, mark_finished
+from qnext.engine.sampling_inputs import stateless
 from qnext.engine.sequence import Sequence, SequenceStatus
+from qnext.model.buckets import BucketTable
+from qnext.model.step_inputs import Segment
 
 
 @dataclasses.dataclass
-class ScheduledSequence:
+class _Work:
     seq: Sequence
-    num_tokens: int                 # new tokens run this step: [num_computed, num_computed + num_tokens)
-    capture_positions: list[int]    # state captures inside (start, end]
-
-    @property
-    def start(self) -> int:
-        return self.seq.num_computed_tokens
+    start: int
+    num_tokens: int
+    captures: list[int]           # state captures inside (start, end]: prompt capture plan + decode boundary
 
     @property
     def end(self) -> int:
-        return self.seq.num_computed_tokens + self.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        """The step computes the sequence's last known token, so it yields the next one."""
-        return self.end == self.seq.num_tokens
+        return self.start + self.num_tokens
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, cache: CacheManager, new_layout: Callable[[], Any]):
+    def __init__(self, config: EngineConfig, cache: CacheManager, buckets: BucketTable, *,
+                 eos_token_ids: Seq[int], vocab_size: int, max_model_len: int):
         self.config = config
         self.cache = cache
-        self.new_layout = new_layout    # the runner's running check that a step fits a compiled shape
+        self.buckets = buckets
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -52,9 +55,36 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[ScheduledSequence]:
-        scheduled: list[ScheduledSequence] = []
-        layout = self.new_layout()
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self._release(seq)
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        mark_finished(seq, ("abort", None))
+
+    # ---- planning ---------------------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        """The next step's plan, or None when nothing can run."""
+        work = self._pick()
+        if not work:
+            return None
+        multi = self._multi_step_plan(work) if self._multi_step_ok(work) else None
+        rows = {} if multi is not None else self._reserve_capture_rows(work)
+        items = []
+        for w in work:
+            read_row, write_row = self.cache.state_rows(w.seq.request_id)
+            captures = {p: rows.get((w.seq.request_id, p), 0) for p in w.captures}
+            segment = Segment(token_ids=w.seq.token_slice(w.start, w.end), start=w.start,
+                              block_table=list(self.cache.block_table(w.seq.request_id)), read_row=read_row,
+                              write_row=write_row, captures=captures)
+            items.append(ScheduledSequence(w.seq, segment, samples=w.end == w.seq.num_tokens))
+        bucket = self.buckets.bucket_for([it.segment for it in items])
+        return StepPlan(items, bucket, self.cache.lend_buffers(), multi)
+
+    def _pick(self) -> list[_Work]:
+        work: list[_Work] = []
+        layout = self.buckets.new_layout()
         budget = self.config.max_num_batched_tokens       # tokens left in this step
 
         for seq in list(self.running):
@@ -62,81 +92,155 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue                                  # preempted earlier in this loop
-            item = self._plan(seq, budget)
+            w = self._work(seq, seq.num_computed_tokens, budget)
             preemptions = self.num_preemptions
-            reserved = self._reserve_blocks(item, scheduled)
-            if self.num_preemptions != preemptions:       # victims' items left `scheduled`
-                budget = self.config.max_num_batched_tokens - sum(s.num_tokens for s in scheduled)
+            reserved = self._reserve_blocks(w, work)
+            if self.num_preemptions != preemptions:       # victims' work left `work`
+                budget = self.config.max_num_batched_tokens - sum(x.num_tokens for x in work)
             if not reserved:
                 continue                                  # seq itself was preempted
-            if not layout.try_add(item):
+            if not layout.try_add(w.start, w.num_tokens, w.captures):
                 break
-            scheduled.append(item)
-            budget -= item.num_tokens
+            work.append(w)
+            budget -= w.num_tokens
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             admission = self.cache.admit(seq.request_id, seq.token_ids)
             if admission is None:
                 break
-            self._start(seq, admission)
-            item = self._plan(seq, budget)
-            if not layout.try_add(item):
-                self._release(seq)
-                seq.status = SequenceStatus.WAITING
+            w = self._work(seq, admission.num_cached_tokens, budget)
+            if not layout.try_add(w.start, w.num_tokens, w.captures):
+                # No compiled shape holds it this step: the admission is rolled back, and nothing of it (cached
+                # tokens, times) is recorded on the sequence; the next admission may match differently.
+                self.cache.free(seq.request_id, seq.token_view, admission.num_cached_tokens)
                 break
             self.waiting.popleft()
+            self._start(seq, admission)
             self.running.append(seq)
-            scheduled.append(item)
-            budget -= item.num_tokens
-        return scheduled
+            work.append(w)
+            budget -= w.num_tokens
+        return work
 
-    def finish(self, seq: Sequence) -> None:
-        """Releases a finished sequence's cache (published blocks and snapshots stay cached)."""
-        self.cache.free(seq.request_id, seq.token_ids, seq.num_computed_tokens, finished=True)
-        self.running.remove(seq)
+    def _work(self, seq: Sequence, start: int, budget: int) -> _Work:
+        n = min(seq.num_tokens - start, budget)
+        end = start + n
+        if n == 1:
+            captures = [end] if end % self.config.block_size == 0 and self.cache.uses_snapshots else []
+        else:
+            captures = [p for p in self.cache.capture_positions(seq.request_id) if start < p <= end]
+        return _Work(seq, start, n, captures)
 
-    def abort(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self._release(seq)
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-
-    # ---------------------------------------------------------------------------------------------------------
-    def _plan(self, seq: Sequence, budget: int) -> ScheduledSequence:
-        n = min(seq.num_remaining_tokens, budget)
-        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-        captures = [p for p in seq.capture_positions if start < p <= end]
-        if n == 1 and end % self.config.block_size == 0 and self.cache.uses_snapshots:
-            captures.append(end)                            # decode reaches a block boundary
-        return ScheduledSequence(seq, n, sorted(set(captures)))
-
-    def _reserve_blocks(self, item: ScheduledSequence, scheduled: list[ScheduledSequence]) -> bool:
-        """Blocks for the item's tokens; preempts the newest running sequences until they fit."""
-        seq = item.seq
-        while not self.cache.append_slots(seq.request_id, item.end):
+    def _reserve_blocks(self, w: _Work, work: list[_Work]) -> bool:
+        """Blocks for the work's tokens; preempts the newest running sequences until they fit."""
+        while not self.cache.append_slots(w.seq.request_id, w.end):
             victim = self.running[-1]
             self._preempt(victim)
-            scheduled[:] = [s for s in scheduled if s.seq is not victim]
-            if victim is seq:
+            work[:] = [x for x in work if x.seq is not victim]
+            if victim is w.seq:
                 return False
         return True
 
+    def _reserve_capture_rows(self, work: list[_Work]) -> dict[tuple[str, int], int]:
+        """Snapshot rows for this step's capture positions: the prompt's planned captures, or the decode tracking
+        row at a block boundary. A position without a row (pool exhausted) captures nothing."""
+        rows = {}
+        for w in work:
+            rid = w.seq.request_id
+            for p in w.captures:
+                row = (self.cache.decode_capture_row(rid, p) if w.num_tokens == 1
+                       else self.cache.reserve_capture(rid, p))
+                if row is not None:
+                    rows[(rid, p)] = row
+        return rows
+
+    def _multi_step_ok(self, work: list[_Work]) -> bool:
+        """Several decode steps may run in one call when every item decodes (its prompt computed), and its
+        sampling needs no per-step host state (no logprobs, penalties or suppressed ids) and no stop strings
+        (the detokenizer's, which the device cannot check)."""
+        if self.config.num_scheduler_steps < 2:
+            return False
+        return all(w.num_tokens == 1 and w.end == w.seq.num_tokens and w.start >= len(w.seq.prompt_token_ids)
+                   and not w.seq.params.stop
+                   and stateless(w.seq.params, len(w.seq.output_token_ids), self.eos_token_ids, self.vocab_size)
+                   for w in work)
+
+    def _multi_step_plan(self, work: list[_Work]) -> MultiStepPlan:
+        """Each row runs at most what its max_tokens and max_model_len leave and what its KV blocks hold (extended
+        here when the cache has blocks free, never by preempting); block boundaries inside its window capture
+        into its decode tracking row."""
+        k_max, bs, cache = self.config.num_scheduler_steps, self.config.block_size, self.cache
+        plan = MultiStepPlan([], [], [])
+        for w in work:
+            seq, p, rid = w.seq, w.seq.params, w.seq.request_id
+            n = min(k_max, self.max_model_len - seq.num_tokens)
+            if p.max_tokens is not None:
+                n = min(n, p.max_tokens - len(seq.output_token_ids))
+            if not cache.append_slots(rid, w.start + n):           # blocks for the extra tokens, if free
+                n = max(1, min(n, len(cache.block_table(rid)) * bs - w.start))
+            ends = [e for e in range(w.start + 1, w.start + n + 1) if e % bs == 0]   # boundaries computed
+            row = cache.decode_tracking_row(rid) if ends and cache.uses_snapshots else None
+            plan.steps.append(n)
+            plan.captures.append({e - w.start - 1: row for e in ends} if row is not None else {})
+            plan.stop_ids.append(device_stop_ids(p, self.eos_token_ids))
+            w.captures = []                                 # captures come per step, from the plan
+        return plan
+
+    # ---- after the step ---------------------------------------------------------------------------------------
+    def postprocess(self, plan: StepPlan, result: StepResult) -> tuple[list[Sequence], int]:
+        """Commits what the step computed (publishes full blocks and captured snapshots), appends the sampled
+        tokens, checks stops and finishes. Returns the sequences that produced tokens or finished, and the number
+        of tokens generated."""
+        self.cache.return_buffers(result.buffers)
+        updated, generated = [], 0
+        for i, it in enumerate(plan.items):
+            seq = it.seq
+            before = len(seq.output_token_ids)
+            if plan.multi is None:
+                seq.num_computed_tokens = it.end
+                token = result.sampled.get(seq.request_id)
+                produced = token is not None
+                stop = append_sampled(seq, token, self.eos_token_ids, self.max_model_len) if produced else None
+            else:
+                ran = int(result.ran[i])
+                reached = [step for step in plan.multi.captures[i] if step < ran]
+                if reached:                  # the tracking row now holds the state after this many tokens
+                    self.cache.decode_capture_row(seq.request_id, it.start + max(reached) + 1)
+                stop = append_tokens(seq, result.tokens[:ran, i].tolist(), self.eos_token_ids, self.max_model_len)
+                seq.num_computed_tokens = seq.num_tokens - 1     # the last token is sampled, not yet run
+                produced = True
+            self.cache.commit(seq.request_id, seq.token_view, seq.num_computed_tokens)
+            if stop is not None:
+                self._finish(seq, stop)
+            if produced:
+                updated.append(seq)
+                generated += len(seq.output_token_ids) - before
+        return updated, generated
+
+    def lend_buffers(self) -> CacheBuffers:
+        return self.cache.lend_buffers()
+
+    def return_buffers(self, buffers: CacheBuffers) -> None:
+        self.cache.return_buffers(buffers)
+
+    # ---------------------------------------------------------------------------------------------------------
     def _start(self, seq: Sequence, admission) -> None:
         seq.status = SequenceStatus.RUNNING
         seq.num_computed_tokens = admission.num_cached_tokens
-        if seq.num_cached_tokens is None:
+        if seq.num_cached_tokens is None:          # the first admission that ran is what the user sees
             seq.num_cached_tokens = admission.num_cached_tokens
             seq.num_lost_to_missing_state_tokens = admission.kv_matched_tokens - admission.num_cached_tokens
-        seq.state_row = admission.state_row
-        seq.read_row = -1 if admission.restore_row is None else admission.restore_row
-        seq.capture_positions = tuple(self.cache.capture_positions(seq.request_id))
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.perf_counter()
 
+    def _finish(self, seq: Sequence, stop: Stop) -> None:
+        """Releases a finished sequence's cache (published blocks and snapshots stay cached)."""
+        mark_finished(seq, stop)
+        self._release(seq)
+        self.running.remove(seq)
+
     def _release(self, seq: Sequence) -> None:
-        self.cache.free(seq.request_id, seq.token_ids, seq.num_computed_tokens, finished=False)
+        self.cache.free(seq.request_id, seq.token_view, seq.num_computed_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)

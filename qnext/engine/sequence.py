@@ -1,4 +1,8 @@
-"""A request as the engine tracks it: tokens, progress through prefill, cache rows, and its output so far."""
+"""A request as the engine tracks it: tokens, progress through prefill, its output so far and its detokenizer.
+
+Its cache facts (block table, state rows, capture plan) live in the cache manager's record of the same request,
+which the scheduler reads when it plans a step: one fact, one owner.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -7,6 +11,7 @@ import time
 
 from qnext.outputs import SampleLogprobs
 from qnext.sampling_params import SamplingParams
+from qnext.tokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.Enum):
@@ -26,11 +31,9 @@ class Sequence:
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
-    num_cached_tokens: int | None = None     # from the first admission; what the user sees
+    num_cached_tokens: int | None = None     # served from cache at the first admission that ran; what the user sees
     num_lost_to_missing_state_tokens: int = 0   # KV matched at that admission but recomputed for want of a state
-    state_row: int = 0
-    read_row: int = -1                       # state the next step starts from (-1: zero state)
-    capture_positions: tuple[int, ...] = ()
+    detokenizer: IncrementalDetokenizer | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: SampleLogprobs | None = None

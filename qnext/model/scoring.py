@@ -7,18 +7,15 @@ from pathlib import Path
 import numpy as np
 
 from qnext.config import ModelConfig
+from qnext.model.buckets import scoring_sizes
 from qnext.model.cache_buffers import model_cache_buffers
 from qnext.model.forward import make_step
 from qnext.model.loader import load_params
-from qnext.model.step_inputs import LayoutSizes, Segment, build_step_inputs
+from qnext.model.step_inputs import Segment, build_step_inputs
 from qnext.model.weights import as_dtype
 
 SCORING_BLOCK_SIZE = 16
 SCORING_CHUNK = 64
-
-
-def _bucket(n: int, minimum: int = 16) -> int:
-    return max(minimum, 1 << (n - 1).bit_length())
 
 
 @dataclasses.dataclass
@@ -43,16 +40,11 @@ class Model:
         """Logits [len(token_ids), vocab_size] (float32) of one sequence, computed in one prefill step."""
         ids = self.vocab_check(token_ids)
         n = len(ids)
-        num_tokens = _bucket(n)
-        blocks = -(-num_tokens // SCORING_BLOCK_SIZE)
-        buffers = model_cache_buffers(self.config, num_blocks=blocks + 1, block_size=SCORING_BLOCK_SIZE,
-                                         num_state_rows=2, dtype=self.dtype)
-        seg = Segment(token_ids=ids.tolist(), start=0, block_table=list(range(1, blocks + 1)), read_row=-1,
+        sizes = scoring_sizes(n, chunk=SCORING_CHUNK, block_size=SCORING_BLOCK_SIZE)
+        buffers = model_cache_buffers(self.config, num_blocks=sizes.max_blocks + 1, block_size=SCORING_BLOCK_SIZE,
+                                      num_state_rows=2, dtype=self.dtype)
+        seg = Segment(token_ids=ids.tolist(), start=0, block_table=list(range(1, sizes.max_blocks + 1)), read_row=-1,
                       write_row=1, all_logits=True)
-        sizes = LayoutSizes(num_tokens=num_tokens, num_decode=0, num_chunks=-(-num_tokens // SCORING_CHUNK) or 1,
-                            max_blocks=blocks, num_logits=num_tokens)
-        if n == 1:
-            sizes = dataclasses.replace(sizes, num_decode=2)   # one decode row makes XLA copy the buffers
         inputs = build_step_inputs([seg], sizes, block_size=SCORING_BLOCK_SIZE, chunk=SCORING_CHUNK)
         logits, _ = self._step(self.params, buffers, inputs)
         return np.asarray(logits[:n])

@@ -13,10 +13,11 @@ On CPU the devices are XLA host devices (XLA_FLAGS=--xla_force_host_platform_dev
 starts), which run their shards concurrently: the single-threaded parts of a step (the DeltaNet state update and
 chunk loops, paged attention, the conv) then use every core, where one device runs them on one.
 
-Fused projections concatenate several segments along their output axis (qkv_proj: q | gate | k | v); sharding
-takes each segment's r-th part for device r, so the weights are re-ordered once at load: device-major, then
-segment, then the segment's own order. A bias added after a row-parallel projection (o_bias) is divided by tp
-(exact for powers of two), as every device adds it before the all-reduce.
+What is split is read from the params' declared logical axes (qnext/model/weights.py: "heads", "mlp", "vocab").
+Fused projections declare their segments along that axis (qkv_proj: q | gate | k | v); sharding takes each
+segment's r-th part for device r, so the weights are re-ordered once at load: device-major, then segment, then the
+segment's own order. A bias added after a row-parallel projection (o_bias) is divided by tp (exact for powers of
+two), as every device adds it before the all-reduce.
 """
 from __future__ import annotations
 
@@ -29,17 +30,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cache.device_buffers import CacheBuffers
 from qnext.config import ModelConfig
+from qnext.model.weights import ParamSpec, map_specs, param_specs
 
 AXIS = "tp"
 
-# param name -> the sharded axis; every other param is replicated
-_SHARDED_AXIS = {
-    "qkv_proj": 0, "qkv_bias": 0, "o_proj": 1,                                      # full attention
-    "in_proj": 0, "conv_weight": 0, "A_log": 0, "dt_bias": 0, "out_proj": 1,       # gated DeltaNet
-    "gate_up": 0, "down": 1,                                                        # dense MLP
-    "experts_gate_up": 2, "experts_down": 1, "shared_gate_up": 0, "shared_down": 1,  # MoE
-    "lm_head": 0,                                                                   # by vocab rows
-}
+SPLIT_AXES = ("heads", "mlp", "vocab")   # the logical axes (ParamSpec.axes) that devices split
+
+
+def _split_axis(spec: ParamSpec) -> int | None:
+    """The axis of the param that tensor parallelism splits (at most one per param), or None: replicated."""
+    split = [i for i, name in enumerate(spec.axes) if name in SPLIT_AXES]
+    assert len(split) <= 1, f"a param splits at most one axis: {spec}"
+    return split[0] if split else None
 
 
 def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
@@ -89,31 +91,15 @@ def _spec(axis: int | None) -> P:
     return P() if axis is None else P(*([None] * axis), AXIS)
 
 
-def param_specs(params) -> dict:
-    """PartitionSpecs for a params tree (by param name)."""
-    def spec(path, leaf):
-        return _spec(_SHARDED_AXIS.get(getattr(path[-1], "key", None)))
-
-    return jax.tree_util.tree_map_with_path(spec, params)
+def partition_specs(cfg: ModelConfig) -> dict:
+    """PartitionSpecs of the params tree, from the params' logical axes (weights.py)."""
+    return map_specs(lambda _, spec: _spec(_split_axis(spec)), param_specs(cfg))
 
 
 def buffer_specs(buffers: CacheBuffers) -> CacheBuffers:
     """KV pages [Hkv, ...] by kv head, conv state [R, K-1, conv_dim] by channel, recurrent [R, Hv, dk, dv] by head."""
     return CacheBuffers(kv=tuple((_spec(0), _spec(0)) for _ in buffers.kv), conv=tuple(_spec(2) for _ in buffers.conv),
                         recurrent=tuple(_spec(1) for _ in buffers.recurrent))
-
-
-def _segments(name: str, cfg: ModelConfig) -> list[int] | None:
-    """Sizes of the fused segments along the sharded axis (global config), for the params that fuse several."""
-    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    return {
-        "qkv_proj": [hq * d, hq * d, hkv * d, hkv * d], "qkv_bias": [hq * d, hq * d, hkv * d, hkv * d],
-        "in_proj": [cfg.key_dim, cfg.key_dim, cfg.value_dim, cfg.value_dim, cfg.linear_num_value_heads,
-                    cfg.linear_num_value_heads],
-        "conv_weight": [cfg.key_dim, cfg.key_dim, cfg.value_dim],
-        "gate_up": [cfg.intermediate_size] * 2, "shared_gate_up": [cfg.shared_expert_intermediate_size] * 2,
-        "experts_gate_up": [cfg.moe_intermediate_size] * 2,
-    }.get(name)
 
 
 def _device_major(x, axis: int, segments: list[int], tp: int):
@@ -124,21 +110,21 @@ def _device_major(x, axis: int, segments: list[int], tp: int):
 
 
 def shard_params(params, cfg: ModelConfig, mesh: Mesh):
-    """Host (numpy) params of the global cfg -> device arrays, each device holding its shard: the fused params
-    re-ordered device-major, every param placed with its sharding."""
+    """Host (numpy) params of the global cfg -> device arrays, each device holding its shard: fused params
+    re-ordered device-major, biases added after an all-reduce divided by tp, every param placed with its sharding."""
     tp = mesh.shape[AXIS]
-    specs = param_specs(params)
 
-    def place(path, leaf, spec):
-        name = getattr(path[-1], "key", None)
-        segments = _segments(name, cfg)
-        if segments is not None:
-            leaf = _device_major(leaf, _SHARDED_AXIS[name], segments, tp)
-        if name == "o_bias":
+    def place(path, spec: ParamSpec):
+        leaf, axis = params, _split_axis(spec)
+        for key in path:
+            leaf = leaf[key]
+        if spec.segments is not None:
+            leaf = _device_major(leaf, axis, list(spec.segments), tp)
+        if spec.after_reduce:          # every device adds it before the all-reduce (exact for powers of two)
             leaf = leaf / tp
-        return jax.device_put(leaf, NamedSharding(mesh, spec))
+        return jax.device_put(leaf, NamedSharding(mesh, _spec(axis)))
 
-    return jax.tree_util.tree_map_with_path(place, params, specs)
+    return map_specs(place, param_specs(cfg))
 
 
 def sharded_buffers(allocate, mesh: Mesh) -> CacheBuffers:
@@ -148,17 +134,19 @@ def sharded_buffers(allocate, mesh: Mesh) -> CacheBuffers:
     return jax.tree.map(lambda a, s: jnp.zeros(a.shape, a.dtype, device=NamedSharding(mesh, s)), shapes, specs)
 
 
-def shard_step(fn, tp: int, num_replicated: int):
+def shard_step(fn, cfg: ModelConfig, tp: int, num_replicated: int):
     """fn(params, buffers, *rest) -> (*replicated outputs, buffers), run as one shard per device on `tp` devices
-    (fn sees one device's shard: the local config's shapes). `num_replicated`: the outputs before the buffers."""
+    (fn sees one device's shard: the local config's shapes; cfg is the global one). `num_replicated`: the outputs
+    before the buffers."""
     if tp == 1:
         return fn
     mesh = make_mesh(tp)
+    pspecs = partition_specs(cfg)
 
     def sharded(params, buffers, *rest):
         bspec = buffer_specs(buffers)
         # check_vma off: the kernels' loops carry values that are per-device (the state) next to replicated ones
-        return jax.shard_map(fn, mesh=mesh, in_specs=(param_specs(params), bspec) + (P(),) * len(rest),
+        return jax.shard_map(fn, mesh=mesh, in_specs=(pspecs, bspec) + (P(),) * len(rest),
                              out_specs=(P(),) * num_replicated + (bspec,), check_vma=False)(params, buffers, *rest)
 
     return sharded

@@ -2,8 +2,10 @@
 
 Dense matmul weights are [out, in], the checkpoint's nn.Linear layout (x @ W^T, see qnext/model/linear.py);
 expert stacks are [E, in, out] (the grouped matmul's layout). Axis names are logical ("vocab", "embed", "heads",
-"kv", "mlp", "expert"); None means the axis is never sharded. `A_log` and `dt_bias` are float32 whatever the model
-dtype.
+"mlp", "expert"); tensor parallelism splits the "heads", "mlp" and "vocab" axes (tensor_parallel.py); None means
+the axis is never split (the embedding table is replicated: a lookup by token id). A fused param declares the
+sizes of its segments along its split axis (qkv_proj: q | gate | k | v), so that each device takes every segment's
+part. `A_log` and `dt_bias` are float32 whatever the model dtype.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ class ParamSpec:
     shape: tuple[int, ...]
     dtype: Any  # numpy dtype (float32 or ml_dtypes.bfloat16)
     axes: tuple[str | None, ...]
+    segments: tuple[int, ...] | None = None   # fused: segment sizes along the split axis, in order
+    after_reduce: bool = False   # a bias added to a row-parallel projection's output (each device adds a share)
 
 
 def as_dtype(dtype: Any) -> np.dtype:
@@ -45,18 +49,20 @@ def param_specs(cfg: ModelConfig, dtype: Any = "float32") -> dict[str, Any]:
     f32 = np.dtype(np.float32)
     H, V = cfg.hidden_size, cfg.vocab_size
 
-    def spec(shape: tuple[int, ...], axes: tuple[str | None, ...], dtype_: np.dtype = dt) -> ParamSpec:
-        return ParamSpec(tuple(shape), dtype_, axes)
+    def spec(shape: tuple[int, ...], axes: tuple[str | None, ...], dtype_: np.dtype = dt, **kw) -> ParamSpec:
+        return ParamSpec(tuple(shape), dtype_, axes, **kw)
 
     layers = []
     for i in range(cfg.num_hidden_layers):
         layer = {"input_norm": spec((H,), ("embed",)), "post_attn_norm": spec((H,), ("embed",))}
         if cfg.is_linear_layer(i):
-            Hv = cfg.linear_num_value_heads
+            Hv, qk, v = cfg.linear_num_value_heads, cfg.key_dim, cfg.value_dim
             layer["attn"] = {
                 # rows: q (Hk*dk) | k (Hk*dk) | v (Hv*dv) | z (Hv*dv) | b (Hv) | a (Hv)
-                "in_proj": spec((cfg.conv_dim + cfg.value_dim + 2 * Hv, H), ("heads", "embed")),
-                "conv_weight": spec((cfg.conv_dim, cfg.linear_conv_kernel_dim), ("heads", None)),
+                "in_proj": spec((cfg.conv_dim + cfg.value_dim + 2 * Hv, H), ("heads", "embed"),
+                                segments=(qk, qk, v, v, Hv, Hv)),
+                "conv_weight": spec((cfg.conv_dim, cfg.linear_conv_kernel_dim), ("heads", None),
+                                    segments=(qk, qk, v)),
                 "A_log": spec((Hv,), ("heads",), f32),
                 "dt_bias": spec((Hv,), ("heads",), f32),
                 "norm": spec((cfg.linear_value_head_dim,), (None,)),
@@ -65,33 +71,35 @@ def param_specs(cfg: ModelConfig, dtype: Any = "float32") -> dict[str, Any]:
         else:
             Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
             qkv = 2 * Hq * D + 2 * Hkv * D  # q | gate | k | v
+            fused = (Hq * D, Hq * D, Hkv * D, Hkv * D)
             attn = {
-                "qkv_proj": spec((qkv, H), ("heads", "embed")),
+                "qkv_proj": spec((qkv, H), ("heads", "embed"), segments=fused),
                 "o_proj": spec((H, Hq * D), ("embed", "heads")),
                 "q_norm": spec((D,), (None,)),
                 "k_norm": spec((D,), (None,)),
             }
             if cfg.attention_bias:
-                attn["qkv_bias"] = spec((qkv,), ("heads",))
-                attn["o_bias"] = spec((H,), ("embed",))
+                attn["qkv_bias"] = spec((qkv,), ("heads",), segments=fused)
+                attn["o_bias"] = spec((H,), ("embed",), after_reduce=True)
             layer["attn"] = attn
         if cfg.is_moe_layer(i):
             E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
             layer["mlp"] = {
                 "router": spec((E, H), (None, "embed")),
-                "experts_gate_up": spec((E, H, 2 * I), ("expert", "embed", "mlp")),
+                "experts_gate_up": spec((E, H, 2 * I), ("expert", "embed", "mlp"), segments=(I, I)),
                 "experts_down": spec((E, I, H), ("expert", "mlp", "embed")),
-                "shared_gate_up": spec((2 * Is, H), ("mlp", "embed")),
+                "shared_gate_up": spec((2 * Is, H), ("mlp", "embed"), segments=(Is, Is)),
                 "shared_down": spec((H, Is), ("embed", "mlp")),
                 "shared_gate": spec((1, H), (None, "embed")),
             }
         else:
             I = cfg.intermediate_size
-            layer["mlp"] = {"gate_up": spec((2 * I, H), ("mlp", "embed")), "down": spec((H, I), ("embed", "mlp"))}
+            layer["mlp"] = {"gate_up": spec((2 * I, H), ("mlp", "embed"), segments=(I, I)),
+                            "down": spec((H, I), ("embed", "mlp"))}
         layers.append(layer)
 
     return {
-        "embed": spec((V, H), ("vocab", "embed")),
+        "embed": spec((V, H), (None, "embed")),
         "final_norm": spec((H,), ("embed",)),
         "lm_head": spec((V, H), ("vocab", "embed")),
         "layers": tuple(layers),

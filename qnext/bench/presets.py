@@ -1,4 +1,4 @@
-"""Model size presets for scripts/bench.py: random checkpoints written with `write_tiny_checkpoint`.
+"""Model size presets of the benchmarks (scripts/bench.py): random checkpoints written with `write_tiny_checkpoint`.
 
 - tiny, tiny-moe, tiny-next: the test configs (hidden 64, 4 layers); per-step Python overhead dominates.
 - small: real Qwen3.5 head dims (attention head_dim 256, linear key/value head dim 128, 16 value heads over 8 key

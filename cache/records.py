@@ -1,0 +1,31 @@
+"""The cache manager's records: what an admission returns, and what it keeps per admitted sequence."""
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Admission:
+    num_cached_tokens: int       # tokens served from cache (a multiple of block_size, <= prompt_len - 1)
+    block_table: list[int]       # blocks covering the whole prompt (shared cached ones first, then fresh)
+    state_row: int               # the sequence's live state row
+    restore_row: int | None      # snapshot row holding the state after num_cached_tokens tokens (None if 0 cached)
+    kv_matched_tokens: int       # raw KV match before trimming to a usable snapshot (also <= prompt_len - 1)
+
+
+@dataclass
+class SequenceRecord:
+    prompt_len: int
+    hashes: list[bytes]                      # chain hashes of the full blocks known so far
+    block_table: list[int]
+    state_row: int
+    num_cached_tokens: int
+    chain: list[int]                         # cached block of each published position: own, or a twin's original
+    capture_plan: list[int] = field(default_factory=list)
+    pinned_row: int | None = None            # restore snapshot, pinned until the first commit
+    pending_captures: dict[int, int] = field(default_factory=dict)  # position -> reserved row
+    decode_row: int | None = None
+    decode_position: int = 0
+    branch_position: int = 0                 # where the KV match outran the state match (0: it did not)
+    restored_hash: bytes | None = None
+    kv_matched_tokens: int = 0
+    ran: bool = False                        # a step committed for it (else free() takes back its admission counts)
+    prompt_snapshots: list[bytes] = field(default_factory=list)  # prompt-end and checkpoint snapshots it registered

@@ -1,0 +1,66 @@
+"""Engine counters: requests, tokens, and where a step's wall time goes (host phases and the device), plus a
+count of XLA compilations (jax.monitoring), so that benchmarks read the engine instead of patching it."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import jax
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compilations = 0
+_lock = threading.Lock()
+
+
+def _on_event(event: str, duration: float, **kwargs) -> None:
+    global _compilations
+    if event == _COMPILE_EVENT:
+        with _lock:
+            _compilations += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def compilations() -> int:
+    """XLA compilations in this process so far."""
+    return _compilations
+
+
+@dataclasses.dataclass
+class EngineStats:
+    num_steps: int = 0               # engine.step() calls that ran a plan
+    num_model_steps: int = 0         # model forward passes (a multi-step call runs several)
+    num_scheduled_sequences: int = 0   # summed over steps: sequences and new tokens each step ran
+    num_scheduled_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    step_seconds: float = 0.0        # wall time of engine.step(), everything included
+    schedule_seconds: float = 0.0    # host: admission, blocks, capture rows, the plan
+    layout_seconds: float = 0.0      # host: StepInputs from the plan
+    device_seconds: float = 0.0      # the jitted step, until its logits (or tokens) are ready
+    sample_seconds: float = 0.0      # sampling dispatch and reading tokens back
+    postprocess_seconds: float = 0.0   # host: commit, append, stop checks, detokenising, finishing
+    compilations_at_start: int = dataclasses.field(default_factory=compilations)
+
+    def add_phases(self, *, layout: float = 0.0, device: float = 0.0, sample: float = 0.0,
+                   model_steps: int = 0) -> None:
+        self.layout_seconds += layout
+        self.device_seconds += device
+        self.sample_seconds += sample
+        self.num_model_steps += model_steps
+
+    @property
+    def num_compilations(self) -> int:
+        """XLA compilations in this process since the engine started (warm-up included)."""
+        return compilations() - self.compilations_at_start
+
+    @property
+    def host_overhead(self) -> float:
+        """Share of the step's wall time spent outside the jitted step."""
+        return 0.0 if self.step_seconds == 0 else 1.0 - self.device_seconds / self.step_seconds
+
+    def as_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out.pop("compilations_at_start")
+        return {**out, "num_compilations": self.num_compilations, "host_overhead": self.host_overhead}

@@ -1,0 +1,85 @@
+"""The engine's cache sized in bytes (kv_cache_memory_bytes, gpu_memory_utilization), cache_info(), and what a
+request reports about its prefix hit."""
+from __future__ import annotations
+
+import jax
+import pytest
+
+import qnext
+from qnext import SamplingParams
+from qnext.model.buckets import StepLayout
+
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=16)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+def buffer_bytes(llm) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(llm.engine.scheduler.cache.buffers))
+
+
+def test_byte_budget_bounds_the_buffers_and_cache_info_agrees(tiny_checkpoint):
+    budget = 600_000
+    llm = qnext.LLM(tiny_checkpoint("qwen3_next"), kv_cache_memory_bytes=budget, **ENGINE)
+    info = llm.cache_info()
+    assert set(info) == {"num_blocks", "block_size", "kv_bytes", "num_live_rows", "num_snapshot_rows", "state_bytes",
+                         "budget_bytes"}
+    assert buffer_bytes(llm) == info["kv_bytes"] + info["state_bytes"] <= budget == info["budget_bytes"]
+    assert info["num_live_rows"] == ENGINE["max_num_seqs"] and info["num_snapshot_rows"] > 0
+    assert info["num_blocks"] * info["block_size"] >= ENGINE["max_model_len"]
+    out = llm.generate({"prompt_token_ids": list(range(3, 40))}, GREEDY)[0]
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_budget_too_small_for_one_sequence_names_the_numbers(tiny_checkpoint):
+    with pytest.raises(ValueError, match=r"cache budget 20000 bytes cannot hold one sequence of max_model_len 128"):
+        qnext.LLM(tiny_checkpoint("qwen3_next"), kv_cache_memory_bytes=20_000, **ENGINE)
+
+
+def test_gpu_memory_utilization_sizes_the_cache_from_memory_stats(tiny_checkpoint, monkeypatch):
+    """The GPU path, with the device's memory_stats() faked: the budget is the utilised share of the device's
+    memory minus what is in use (weights) and the largest step's activations."""
+    import qnext.engine.cache_setup as cache_setup
+
+    limit, in_use = 4_000_000, 300_000
+    monkeypatch.setattr(cache_setup, "device_memory_stats", lambda: {"bytes_limit": limit, "bytes_in_use": in_use})
+    llm = qnext.LLM(tiny_checkpoint("qwen3_next"), gpu_memory_utilization=0.5, **ENGINE)
+    activations = llm.engine.runner.activation_bytes()
+    assert activations > 0
+    info = llm.cache_info()
+    assert info["budget_bytes"] == int(0.5 * limit) - in_use - activations
+    assert buffer_bytes(llm) <= info["budget_bytes"]
+    monkeypatch.setattr(cache_setup, "device_memory_stats", lambda: {"bytes_limit": limit, "bytes_in_use": limit})
+    with pytest.raises(ValueError, match="gpu_memory_utilization=0.5 of 4000000 device bytes leaves nothing"):
+        qnext.LLM(tiny_checkpoint("qwen3_next"), gpu_memory_utilization=0.5, **ENGINE)
+
+
+def test_kv_match_without_a_state_is_reported_per_request(tiny_checkpoint):
+    """No snapshot rows: the second run of a prompt matches its KV but must recompute it for want of a state."""
+    llm = qnext.LLM(tiny_checkpoint("qwen3_next"), max_num_snapshots=0, **ENGINE)
+    prompt = {"prompt_token_ids": list(range(3, 43))}          # 40 tokens: 2 full blocks can be matched
+    llm.generate(prompt, GREEDY)
+    out = llm.generate(prompt, GREEDY)[0]
+    assert out.num_cached_tokens == 0
+    assert out.metrics.num_lost_to_missing_state_tokens == 32
+
+
+def test_rolled_back_admission_leaves_no_trace_on_the_request(tiny_checkpoint, monkeypatch):
+    """An admission that no compiled step shape holds this step is rolled back; if the snapshot it matched is gone
+    by the admission that runs, the request reports what that one served (nothing), not the rolled-back hit."""
+    llm = qnext.LLM(tiny_checkpoint("qwen3_next"), **ENGINE)
+    prompt = list(range(3, 43))
+    llm.generate({"prompt_token_ids": prompt}, GREEDY)             # caches the prompt's blocks and snapshot
+    engine = llm.engine
+    engine.add_request("again", {"prompt_token_ids": prompt}, GREEDY)
+    real_try_add = StepLayout.try_add
+    monkeypatch.setattr(StepLayout, "try_add", lambda self, *a: False)
+    assert engine.scheduler.schedule() is None                    # admitted, then rolled back
+    seq = engine.requests["again"]
+    assert seq.num_cached_tokens is None and seq.first_scheduled_time is None
+    monkeypatch.setattr(StepLayout, "try_add", real_try_add)
+    engine.scheduler.cache.clear_prefix_cache()                   # the snapshot is gone before the real admission
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert outs[0].num_cached_tokens == 0
+    assert engine.cache_stats.reused_tokens == 0                  # the rolled-back admission's counts were taken back
