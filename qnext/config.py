@@ -69,6 +69,21 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
     tensor_parallel_size: int = 1  # > 1 only in the per-device config of a sharded model (tensor_parallel.py)
+    backend: str | None = None     # "cpu" | "gpu": the kernels (Pallas on GPU, jnp references elsewhere) and layouts
+                                   # the layers use; resolved once (with_backend), static under jit
+
+    def with_backend(self, backend: str | None = None) -> "ModelConfig":
+        """This config with its backend resolved: the given one, else its own, else JAX's default backend."""
+        if backend is None and self.backend is not None:
+            return self
+        import jax
+
+        return dataclasses.replace(self, backend=backend or self.backend or jax.default_backend())
+
+    @property
+    def kernels(self) -> str:
+        """The ops' implementation (pallas_kernels.api): the Pallas kernels on GPU, the jnp references elsewhere."""
+        return "pallas" if self.with_backend().backend == "gpu" else "reference"
 
     # ---- derived sizes -------------------------------------------------------------------------------------------
     @property

@@ -51,15 +51,12 @@ class EngineConfig:
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be a non-negative integer or None, got {value!r}")
 
-    def resolved_prefill_chunk(self) -> int:
+    def resolved_prefill_chunk(self, backend: str) -> int:
         """The option, or by backend: 32 on CPU (XLA:CPU runs the chunked delta rule's small per-chunk matmuls
-        faster at 32 rows than at 64: a 1024-token prefill step of the bench's small model ~13% faster), 64 on GPU
-        (the Triton kernels' block size, as FLA's)."""
+        faster at 32 rows than at 64: docs/bench/notes.md), 64 on GPU (the Triton kernels' block size, as FLA's)."""
         if self.prefill_chunk is not None:
             return self.prefill_chunk
-        import jax
-
-        return 32 if jax.default_backend() == "cpu" else 64
+        return 32 if backend == "cpu" else 64
 
     def resolved_max_model_len(self, cfg: ModelConfig) -> int:
         limit = cfg.max_position_embeddings

@@ -52,7 +52,8 @@ def full_attention(p, x, kv, inputs: StepInputs, cfg: ModelConfig):
         if groups.length.shape[0] == 0:            # static: the bucket has no groups of this kind
             return jnp.zeros(q_groups.shape, jnp.float32)
         return ops.paged_attention(q_groups, k_pages, v_pages, groups.block_table, groups.kv_len,
-                                   query_positions(groups, inputs.positions), sm_scale=cfg.head_dim ** -0.5)
+                                   query_positions(groups, inputs.positions), sm_scale=cfg.head_dim ** -0.5,
+                                   implementation=cfg.kernels)
 
     out_decode = attend(to_decode(q, inputs)[:, None], inputs.decode)[:, 0]
     out_prefill = attend(to_prefill(q, inputs), inputs.prefill)

@@ -59,23 +59,24 @@ def gated_deltanet(p, x, conv_state, recurrent_state, inputs: StepInputs, cfg: M
     """x: [T, H]. Returns (out [T, H], conv_state, recurrent_state)."""
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     mixed, z, b, a = deltanet_projections(p, x, cfg)
-    dec, pre = inputs.decode, inputs.prefill
+    dec, pre, kernels = inputs.decode, inputs.prefill, cfg.kernels
     out_d = jnp.zeros((0, hv, dv), jnp.float32)
     out_p = jnp.zeros((0,) + pre.token_index.shape[1:] + (hv, dv), jnp.float32)
     if dec.length.shape[0]:                        # static: the bucket has decode rows
         mixed_d, conv_state = ops.causal_conv1d_update(to_decode(mixed, inputs), p["conv_weight"], conv_state,
-                                                       dec.read_row, dec.write_row, dec.capture_row)
+                                                       dec.read_row, dec.write_row, dec.capture_row,
+                                                       implementation=kernels)
         q, k, v, g, beta = delta_rule_inputs(mixed_d, to_decode(b, inputs), to_decode(a, inputs), p, cfg)
         out_d, recurrent_state = ops.recurrent_gated_delta_rule(q, k, v, g, beta, recurrent_state, dec.read_row,
-                                                                dec.write_row, dec.capture_row)
+                                                                dec.write_row, dec.capture_row, implementation=kernels)
     if pre.length.shape[0]:                        # static: the bucket has prefill groups
         mixed_p, conv_state = ops.causal_conv1d_chunked(to_prefill(mixed, inputs), p["conv_weight"], conv_state,
                                                         pre.length, pre.read_row, pre.write_row, pre.capture_row,
-                                                        pre.is_first, pre.is_last)
+                                                        pre.is_first, pre.is_last, implementation=kernels)
         q, k, v, g, beta = delta_rule_inputs(mixed_p, to_prefill(b, inputs), to_prefill(a, inputs), p, cfg)
         out_p, recurrent_state = ops.chunk_gated_delta_rule(q, k, v, g, beta, pre.length, recurrent_state,
                                                             pre.read_row, pre.write_row, pre.capture_row,
-                                                            pre.is_first, pre.is_last)
+                                                            pre.is_first, pre.is_last, implementation=kernels)
 
     out = deltanet_output(p, from_groups(out_d, out_p, inputs), z, x.dtype, cfg)      # [T, H]
     return out, conv_state, recurrent_state

@@ -17,13 +17,13 @@ def swiglu(x, gate_up, down):
 MOE_BLOCK_ROWS = 16
 
 
-def grouped_matmul(rows, weights, group_sizes):
+def grouped_matmul(rows, weights, group_sizes, ragged: bool):
     """rows [M, K] sorted by group, weights [G, K, N], group_sizes [G] -> [M, N]: row i uses its group's matrix.
 
-    On GPU this is XLA's ragged_dot. Elsewhere ragged_dot is far too slow (~0.5 GFLOP/s on CPU), so each group is
+    ragged (on GPU): XLA's ragged_dot. Elsewhere ragged_dot is far too slow (~0.5 GFLOP/s on CPU), so each group is
     padded to blocks of MOE_BLOCK_ROWS rows that share one matrix, and the blocks run as one batched matmul:
     at most M / B + G blocks, exact, wasting at most G * B rows."""
-    if jax.default_backend() == "gpu":
+    if ragged:
         return jax.lax.ragged_dot(rows, weights, group_sizes)
     m, g, b = rows.shape[0], weights.shape[0], MOE_BLOCK_ROWS
     num_blocks = m // b + g
@@ -56,8 +56,9 @@ def moe(p, x, cfg: ModelConfig):
     order = jnp.argsort(flat_expert, stable=True)
     token_of = order // top_k
     group_sizes = jnp.bincount(flat_expert, length=e).astype(jnp.int32)
-    gate, up = jnp.split(grouped_matmul(x[token_of], p["experts_gate_up"], group_sizes), 2, axis=-1)
-    out = grouped_matmul(jax.nn.silu(gate) * up, p["experts_down"], group_sizes)      # [T*k, H]
+    ragged = cfg.with_backend().backend == "gpu"
+    gate, up = jnp.split(grouped_matmul(x[token_of], p["experts_gate_up"], group_sizes, ragged), 2, axis=-1)
+    out = grouped_matmul(jax.nn.silu(gate) * up, p["experts_down"], group_sizes, ragged)      # [T*k, H]
     out = out * weights.reshape(-1)[order][:, None]
     routed = jnp.zeros((t, h), out.dtype).at[token_of].add(out)
 
