@@ -33,15 +33,20 @@ class LLM:
         """An engine on a Flax model's current weights (qnext.flax.HybridCausalLM; no checkpoint directory).
         tokenizer: a Tokenizer, a directory with tokenizer.json, or None for the model's source checkpoint's (if
         it has one). dtype defaults to the module's; tensor parallelism as for a path."""
-        from qnext.flax import engine_params
+        from qnext.flax import HybridCausalLM, engine_params
         from qnext.tokenizer import Tokenizer
 
+        if not isinstance(model, HybridCausalLM):
+            raise TypeError(f"from_model takes a qnext.flax.HybridCausalLM, got {type(model).__name__}; "
+                            "for a checkpoint directory use qnext.LLM(path)")
         cfg, params = engine_params(model)
         if tokenizer is None and model.source.directory is not None:
-            tokenizer = model.source.directory
-        if isinstance(tokenizer, (str, Path)):
-            tokenizer = Tokenizer.from_pretrained(Path(tokenizer)) if (Path(tokenizer) / "tokenizer.json").is_file() \
-                else None
+            source = Path(model.source.directory)
+            tokenizer = Tokenizer.from_pretrained(source) if (source / "tokenizer.json").is_file() else None
+        elif isinstance(tokenizer, (str, Path)):
+            if not (Path(tokenizer) / "tokenizer.json").is_file():
+                raise ValueError(f"{tokenizer} has no tokenizer.json; pass a directory with one, a Tokenizer or None")
+            tokenizer = Tokenizer.from_pretrained(Path(tokenizer))
         engine_options.setdefault("dtype", str(params["embed"].dtype))
         llm = cls.__new__(cls)
         llm.engine = LLMEngine.from_params(cfg, params, tokenizer, **engine_options)
@@ -53,8 +58,11 @@ class LLM:
     def update_weights(self, model) -> None:
         """Copies the Flax model's current weights into the engine in place (no recompilation) and drops the
         whole prefix cache (its KV and snapshots came from the old weights). Raises with requests in flight."""
-        from qnext.flax import engine_params
+        from qnext.flax import HybridCausalLM, engine_params
 
+        if not isinstance(model, HybridCausalLM):
+            raise TypeError(f"update_weights takes a qnext.flax.HybridCausalLM, got {type(model).__name__}; "
+                            "for a params pytree use llm.engine.update_weights(params)")
         self.engine.update_weights(engine_params(model)[1])
 
     def cache_info(self) -> dict:

@@ -78,12 +78,13 @@ class LLMEngine:
         self.scheduler.cache.clear_prefix_cache()
 
     def _start(self, config: EngineConfig, cfg: ModelConfig, params, tokenizer: Tokenizer | None) -> None:
+        cfg = cfg.with_backend()             # kernels and layouts chosen once, for every layer and step
         self.config, self.model_config, self.tokenizer = config, cfg, tokenizer
         self.max_model_len = config.resolved_max_model_len(cfg)
         mesh = make_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
         buckets = BucketTable(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                               max_blocks=-(-self.max_model_len // config.block_size),
-                              prefill_chunk=config.resolved_prefill_chunk(),
+                              prefill_chunk=config.resolved_prefill_chunk(cfg.backend),
                               max_prefill_groups_extra=config.max_prefill_groups_extra)
         self.stats = EngineStats()
         self.runner = ModelRunner(cfg, params, config, buckets, self.stats)
@@ -214,26 +215,32 @@ class LLMEngine:
 
 
 def place_params(params, cfg: ModelConfig, config: EngineConfig):
-    """In-memory params -> the engine's device arrays: cast to config.dtype (A_log and dt_bias stay float32);
-    under tensor parallelism through host memory into each device's shard."""
+    """In-memory params (the pytree of weights.param_specs(cfg); jax or numpy arrays of any float dtype) -> the
+    engine's own device arrays, always copies: cast to config.dtype (A_log and dt_bias stay float32) and committed
+    to the default device (as the update copy's outputs are, so the step's compilations serve both), or under
+    tensor parallelism through host memory into each device's shard."""
     import jax
     import jax.numpy as jnp
 
     from qnext.model.weights import map_specs, param_specs
 
+    def value(path, spec):
+        name = "/".join(map(str, path))
+        try:
+            leaf = _at(params, path)
+        except (KeyError, IndexError, TypeError):
+            raise ValueError(f"the params have no weight {name}; pass the pytree of weights.param_specs(config) "
+                             "(qnext.flax.engine_params(model)[1] for a Flax model)") from None
+        if tuple(leaf.shape) != spec.shape:
+            raise ValueError(f"weight {name} has shape {tuple(leaf.shape)}; the model's config needs {spec.shape}")
+        return leaf
+
     specs = param_specs(cfg, as_dtype(config.dtype))
-
-    def leaf(path, spec):
-        value = params
-        for key in path:
-            value = value[key]
-        return value, spec.dtype
-
-    pairs = map_specs(leaf, specs)
     if config.tensor_parallel_size > 1:
-        host = map_specs(lambda path, spec: np.asarray(jax.device_get(_at(pairs, path)[0])).astype(spec.dtype), specs)
+        host = map_specs(lambda path, spec: np.asarray(jax.device_get(value(path, spec))).astype(spec.dtype), specs)
         return shard_params(host, cfg, make_mesh(config.tensor_parallel_size))
-    return map_specs(lambda path, spec: jnp.array(_at(pairs, path)[0], dtype=spec.dtype), specs)
+    device = jax.devices()[0]
+    return map_specs(lambda path, spec: jax.device_put(jnp.array(value(path, spec), dtype=spec.dtype), device), specs)
 
 
 def _at(tree, path):

@@ -134,18 +134,25 @@ class ModelRunner:
         def shapes(tree):
             return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
                                 tree)
+
+        def overwrite(old, new):
+            # written into `old` (donated): a plain `new.astype(old.dtype)` leaves `old` unused, so XLA would drop
+            # the donation and return a fresh buffer, two copies of the weights alive at once
+            return jax.lax.dynamic_update_slice(old, new.astype(old.dtype), (0,) * old.ndim)
+
         example = self.params if example is None else example
-        copy = jax.jit(lambda old, new: jax.tree.map(lambda o, n: n.astype(o.dtype), old, new), donate_argnums=0)
+        copy = jax.jit(lambda old, new: jax.tree.map(overwrite, old, new), donate_argnums=0)
         self._copy_params = copy.lower(shapes(self.params), shapes(example)).compile()
-        self._copy_signature = jax.tree.map(lambda x: (x.shape, str(x.dtype)), example)
+        self._copy_signature = _update_signature(example)
 
     def update_params(self, params) -> None:
         """Overwrites the weights with `params` (the same structure and shapes, cast to the engine's dtype), reusing
-        the old buffers (donated). An update of another dtype than the prepared one compiles its copy once."""
+        the old buffers (donated). An update of another dtype or sharding than the prepared one compiles its copy
+        once."""
         if jax.tree.map(lambda x: x.shape, self.params) != jax.tree.map(lambda x: x.shape, params):
             raise ValueError("update_weights needs params of the engine's structure and shapes (weights.param_specs), "
                              f"got {jax.tree.structure(params)}")
-        if jax.tree.map(lambda x: (x.shape, str(x.dtype)), params) != getattr(self, "_copy_signature", None):
+        if _update_signature(params) != getattr(self, "_copy_signature", None):
             self.prepare_weight_updates(params)
         self.params = self._copy_params(self.params, params)
 
@@ -192,3 +199,8 @@ class ModelRunner:
             if on_bucket is not None:
                 on_bucket()
         return buffers
+
+
+def _update_signature(params):
+    """What the compiled weight copy was built for: each leaf's shape, dtype and sharding."""
+    return jax.tree.map(lambda x: (x.shape, str(x.dtype), getattr(x, "sharding", None)), params)
