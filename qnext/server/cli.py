@@ -1,0 +1,113 @@
+"""`qnext serve [MODEL]`: the OpenAI-compatible HTTP server (also `python -m qnext.server [MODEL]`).
+
+Every engine option is a flag with vLLM's name (--max-num-seqs, --block-size, --enable-prefix-caching /
+--no-enable-prefix-caching, ...), derived from EngineConfig so that new options appear here without edits.
+SIGTERM or Ctrl-C stops accepting connections, lets in-flight requests finish (at most --shutdown-timeout
+seconds), then exits 0."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+import sys
+
+from qnext.engine.config import EngineConfig
+
+logger = logging.getLogger("qnext.server")
+
+DEMO_MODEL_NAME = "qnext-tiny-demo"
+
+
+def engine_option_flags(parser: argparse.ArgumentParser) -> list[str]:
+    """Adds a flag per EngineConfig field (default None: the engine's own default) -> the field names."""
+    group = parser.add_argument_group("engine options (vLLM names; default: the engine's default)")
+    names = []
+    for field in dataclasses.fields(EngineConfig):
+        flag = "--" + field.name.replace("_", "-")
+        kind = str(field.type)
+        default = field.default if field.default is not dataclasses.MISSING else None
+        help_text = f"engine default: {default}"
+        if kind == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            convert = int if "int" in kind else float if "float" in kind else str
+            group.add_argument(flag, type=convert, default=None, metavar=field.name.upper(), help=help_text)
+        names.append(field.name)
+    return names
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
+    parser = argparse.ArgumentParser(prog="qnext", description="qnext: a JAX/XLA engine for Qwen3.5 / Qwen3-Next")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API",
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_serve_arguments(serve)
+    return parser, engine_option_flags(serve)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="Hugging Face checkpoint directory (default: the built-in tiny demo "
+                                            "checkpoint, random weights)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", help="the name clients pass as `model` (default: MODEL as given)")
+    p.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="requests allowed to wait for a batch slot; beyond it the server answers 503")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--no-warm-up", action="store_true", help="compile step shapes on first use instead of at start")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def serve(args: argparse.Namespace, engine_options: dict) -> int:
+    from qnext.model.host_devices import request_host_devices
+
+    request_host_devices(engine_options.get("tensor_parallel_size") or 1)     # before JAX starts
+    import uvicorn
+
+    import qnext
+    from qnext.engine.llm_engine import freeze_startup_heap
+    from qnext.server.app import build_app
+    from qnext.testing.tiny_checkpoint import demo_checkpoint_dir
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model, name = args.model, args.served_model_name
+    if model is None:
+        logger.warning("no MODEL given: serving the built-in tiny demo checkpoint (random weights, gibberish text)")
+        model, name = demo_checkpoint_dir(), name or DEMO_MODEL_NAME
+    name = name or str(args.model)
+    logger.info("loading %s with %s", model, engine_options or "the engine's default options")
+    try:
+        llm = qnext.LLM(model, warm_up=not args.no_warm_up, progress=logger.info, **engine_options)
+    except ValueError as e:                     # a bad option or checkpoint: say which, without a traceback
+        logger.error("cannot serve %s: %s", model, e)
+        return 2
+    freeze_startup_heap()              # a long-running front end: the cyclic GC skips the start-up heap
+    app = build_app(llm.engine, model_name=name, max_waiting_requests=args.max_waiting_requests)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    # uvicorn drains on SIGTERM / SIGINT, then re-raises the signal to the handler it found: make that one a no-op
+    # so a drained shutdown exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: None)
+    server = uvicorn.Server(config)
+    server.run()
+    if not server.started:
+        logger.error("the server did not start (is port %d on %s free?)", args.port, args.host)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, option_names = build_parser()
+    args = parser.parse_args(argv)
+    options = {n: getattr(args, n) for n in option_names if getattr(args, n) is not None}
+    if args.command == "serve":
+        return serve(args, options)
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

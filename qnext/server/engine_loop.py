@@ -1,0 +1,245 @@
+"""The async front end: one engine thread owns the LLMEngine; asyncio handlers talk to it through queues.
+
+Handlers put commands (add, abort, stop) on a thread-safe queue. The engine thread applies them between steps,
+steps while any request is live, and hands each request its outputs through that request's asyncio queue
+(loop.call_soon_threadsafe). Nothing but the engine thread touches the engine; other threads read only the
+`EngineSnapshot` it publishes after every step."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+from qnext.outputs import RequestOutput
+from qnext.sampling_params import SamplingParams
+from qnext.server.request_stream import RequestStream, StreamDelta
+
+logger = logging.getLogger("qnext.server")
+
+
+class QueueFullError(Exception):
+    """More requests are waiting than --max-waiting-requests allows."""
+
+
+class EngineStepError(Exception):
+    """The engine step that was running this request raised."""
+
+
+class EngineStoppedError(Exception):
+    """The engine loop has stopped (shutdown or a fatal error)."""
+
+
+@dataclasses.dataclass
+class EngineSnapshot:
+    """What the engine thread publishes after each step, for /metrics and /health."""
+    num_running: int = 0
+    num_waiting: int = 0
+    cache_stats: dict = dataclasses.field(default_factory=dict)
+    engine_stats: dict = dataclasses.field(default_factory=dict)
+    usage: dict = dataclasses.field(default_factory=dict)       # metrics.cache_usage(engine)
+
+
+class AsyncEngine:
+    """Owns an LLMEngine through one background thread. `observer` (metrics) gets on_first_token(stream) and
+    on_finish(stream, output) calls from the engine thread; `usage_of(engine)` reads pool usage there."""
+
+    def __init__(self, engine, *, max_waiting_requests: int, observer=None,
+                 usage_of: Callable[[Any], dict] | None = None):
+        if max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be at least 1, got {max_waiting_requests}")
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self._observer = observer
+        self._usage_of = usage_of or (lambda e: {})
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, RequestStream] = {}       # engine thread only
+        self._lock = threading.Lock()
+        self._num_queued = 0                             # submitted, not yet taken by the engine thread
+        self._snapshot = EngineSnapshot()
+        self._thread = threading.Thread(target=self._run, name="qnext-engine", daemon=True)
+        self._accepting = True                           # False once the engine thread is leaving (under _lock)
+        self.fatal_error: BaseException | None = None
+
+    # ---- any thread --------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._publish()
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._accepting
+
+    def snapshot(self) -> EngineSnapshot:
+        with self._lock:
+            snap = dataclasses.replace(self._snapshot)
+            snap.num_waiting += self._num_queued
+            return snap
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Aborts what is still live and joins the engine thread."""
+        if self._thread.is_alive():
+            self._commands.put(("stop", None))
+            self._thread.join(timeout)
+
+    # ---- the event loop --------------------------------------------------------------------------------------
+    async def add(self, request_id: str, prompt: dict, params: SamplingParams) -> RequestStream:
+        """Queues a request and waits until the engine has accepted it. Raises QueueFullError, the engine's
+        ValueError for a bad request, or EngineStoppedError."""
+        stream = RequestStream(request_id, asyncio.get_running_loop(), self.abort)
+        with self._lock:           # under the lock: a command is never queued after the engine thread has left
+            if not self._accepting or not self._thread.is_alive():
+                raise EngineStoppedError("the engine loop is not running")
+            waiting = self._snapshot.num_waiting + self._num_queued
+            if waiting >= self.max_waiting_requests:
+                raise QueueFullError(f"{waiting} requests are already waiting (max_waiting_requests is "
+                                     f"{self.max_waiting_requests}); retry later")
+            self._num_queued += 1
+            self._commands.put(("add", (stream, prompt, params)))
+        try:
+            await stream.admitted
+        except BaseException:
+            stream.finished = True      # rejected by the engine, or the client left: nothing to abort twice
+            self.abort(request_id)
+            raise
+        return stream
+
+    # ---- the engine thread -----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self._live and not self.engine.has_unfinished_requests()
+                if not self._apply_commands(block):
+                    return
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._publish()
+        except BaseException as e:               # a bug in the loop itself: fail everything, stop serving
+            logger.exception("the engine loop died")
+            self.fatal_error = e
+            self._fail(list(self._live), EngineStoppedError(f"the engine loop died: {e!r}"))
+        finally:
+            with self._lock:
+                self._accepting = False
+            self._reject_queued()
+
+    def _reject_queued(self) -> None:
+        """Answers the adds still queued when the loop ends, so that no handler waits forever."""
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                arg[0].resolve_admission(EngineStoppedError("the server is shutting down"))
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Applies queued commands (waiting for one when idle); False once told to stop."""
+        commands = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        num_taken, stopping = 0, False
+        for kind, arg in commands:
+            if kind == "add":
+                num_taken += 1
+                if stopping:
+                    arg[0].resolve_admission(EngineStoppedError("the server is shutting down"))
+                else:
+                    self._add(*arg)
+            elif kind == "abort":
+                self._abort(arg)
+            elif kind == "stop":
+                stopping = True
+        if stopping:
+            self._fail(list(self._live), EngineStoppedError("the server is shutting down"))
+        self._publish(num_taken)
+        return not stopping
+
+    def _add(self, stream: RequestStream, prompt: dict, params: SamplingParams) -> None:
+        try:
+            self.engine.add_request(stream.request_id, prompt, params)
+        except Exception as e:       # bad input (ValueError) goes back to the client; the loop goes on
+            stream.resolve_admission(e if isinstance(e, ValueError) else EngineStepError(f"add_request: {e!r}"))
+            return
+        self._live[stream.request_id] = stream
+        stream.resolve_admission(None)
+
+    def _abort(self, request_id: str) -> None:
+        if self._live.pop(request_id, None) is not None:
+            self._abort_in_engine(request_id)
+
+    def _abort_in_engine(self, request_id: str) -> None:
+        """Frees the request's rows and blocks; an engine that fails at it is logged, the loop goes on."""
+        try:
+            self.engine.abort_request(request_id)
+            self.engine.release(request_id)
+        except Exception:
+            logger.exception("aborting request %s", request_id)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            logger.exception("engine step failed")
+            self._fail(self._affected_by_failed_step(), EngineStepError(f"the engine step failed: {e!r}"))
+            return
+        for out in outputs:
+            stream = self._live.get(out.request_id)
+            if stream is not None:
+                self._deliver(stream, out)
+
+    def _deliver(self, stream: RequestStream, out: RequestOutput) -> None:
+        completion = out.outputs[0]
+        new_tokens = completion.token_ids[stream.num_tokens_sent:]
+        new_logprobs = None
+        if completion.logprobs is not None:
+            new_logprobs = list(completion.logprobs[stream.num_logprobs_sent:])
+            stream.num_logprobs_sent += len(new_logprobs)
+        stream.num_tokens_sent = len(completion.token_ids)
+        if new_tokens and stream.first_token_time is None:
+            stream.first_token_time = time.perf_counter()
+            if self._observer is not None:
+                self._observer.on_first_token(stream)
+        text = self.engine.stream_text(out.request_id)
+        if out.finished:
+            self._live.pop(out.request_id, None)
+            self.engine.release(out.request_id)
+            if self._observer is not None:
+                self._observer.on_finish(stream, out)
+        stream.push(StreamDelta(text, list(new_tokens), new_logprobs, out))
+
+    def _affected_by_failed_step(self) -> list[str]:
+        """The live requests that were running; all live ones when none was (the step failed admitting them)."""
+        running = [rid for rid in self._live if _status(self.engine, rid) == "running"]
+        return running or list(self._live)
+
+    def _fail(self, request_ids: list[str], error: BaseException) -> None:
+        for rid in request_ids:
+            stream = self._live.pop(rid, None)
+            self._abort_in_engine(rid)
+            if stream is not None:
+                stream.push(error)
+
+    def _publish(self, num_taken: int = 0) -> None:
+        e = self.engine
+        snap = EngineSnapshot(num_running=e.num_running, num_waiting=e.num_waiting,
+                              cache_stats=dataclasses.asdict(e.cache_stats),
+                              engine_stats=dataclasses.asdict(e.stats), usage=self._usage_of(e))
+        with self._lock:
+            self._num_queued -= num_taken
+            self._snapshot = snap
+
+
+def _status(engine, request_id: str) -> str | None:
+    seq = getattr(engine, "requests", {}).get(request_id)
+    status = getattr(seq, "status", None)
+    return getattr(status, "value", None)

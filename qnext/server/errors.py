@@ -1,0 +1,58 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the HTTP status that goes with it."""
+from __future__ import annotations
+
+from typing import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def from_validation_error(e: ValidationError | RequestValidationError) -> APIError:
+    """Every problem pydantic found, as one 400 naming the fields."""
+    problems, params = [], []
+    for err in e.errors():
+        loc = ".".join(str(part) for part in err.get("loc", ()) if part != "body")
+        params.append(loc or None)
+        problems.append(f"{loc}: {err['msg']}" if loc else err["msg"])
+    return bad_request("invalid request: " + "; ".join(problems), params[0] if params else None)
+
+
+def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] = lambda status: None) -> None:
+    """Every error leaves in the OpenAI shape; on_error(status) is told of each (metrics)."""
+    def respond(e: APIError):
+        on_error(e.status)
+        return e.response()
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return respond(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        return respond(from_validation_error(e))
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException):
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return respond(APIError(e.status_code, str(e.detail), type=kind, headers=e.headers))

@@ -1,0 +1,67 @@
+"""Start and stop a `qnext serve` subprocess on loopback (for the serving bench and the tests)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m qnext.server ARGS --host 127.0.0.1 --port PORT`, its output in `log_path`."""
+
+    def __init__(self, args: list[str], *, port: int | None = None, log_path: str | Path | None = None,
+                 env: dict[str, str] | None = None):
+        self.port = port or free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_path) if log_path else None
+        log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
+        cmd = [sys.executable, "-m", "qnext.server", *args, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        if log is not subprocess.DEVNULL:
+            log.close()
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode} before it was ready; "
+                                   f"log: {self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"the server was not healthy after {timeout:.0f}s; log: {self.log_tail()}")
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then SIGKILL after `timeout` -> the exit code."""
+        self.terminate()
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def log_tail(self, num_chars: int = 3000) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log)"
+        return self.log_path.read_text(errors="replace")[-num_chars:]

@@ -1,0 +1,73 @@
+"""One request's side of the engine loop: the asyncio queue its outputs arrive on, as an async iterator."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Callable
+
+from qnext.outputs import RequestOutput, SampleLogprobs
+
+
+@dataclasses.dataclass
+class StreamDelta:
+    text: str                          # text released since the previous delta
+    token_ids: list[int]               # tokens generated since the previous delta
+    logprobs: SampleLogprobs | None    # their logprob entries, when the request asked for logprobs
+    output: RequestOutput              # the request's output so far (finish reason, cached tokens)
+
+
+class RequestStream:
+    """One request's outputs, as an async iterator of StreamDelta. close() aborts it if it has not finished."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, on_abort: Callable[[str], None]):
+        self.request_id = request_id
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finished = False
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._on_abort = on_abort
+        self.admitted: asyncio.Future = loop.create_future()
+        # engine-thread bookkeeping
+        self.num_tokens_sent = 0
+        self.num_logprobs_sent = 0
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> StreamDelta:
+        if self.finished and self._queue.empty():
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.output.finished:
+            self.finished = True
+        return item
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._on_abort(self.request_id)
+
+    # ---- called from the engine thread ----------------------------------------------------------------------
+    def push(self, item: StreamDelta | BaseException) -> None:
+        _call_in_loop(self._loop, self._queue.put_nowait, item)
+
+    def resolve_admission(self, error: BaseException | None) -> None:
+        def resolve():
+            if not self.admitted.done():
+                if error is None:
+                    self.admitted.set_result(None)
+                else:
+                    self.admitted.set_exception(error)
+        _call_in_loop(self._loop, resolve)
+
+
+def _call_in_loop(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:        # the loop has closed: the client is gone
+        pass

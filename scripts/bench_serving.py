@@ -1,0 +1,234 @@
+"""Serving benchmark: a multi-turn chat load against the OpenAI-compatible server, prefix caching on vs off.
+
+    python scripts/bench_serving.py                               # tiny demo model, two servers on loopback
+    python scripts/bench_serving.py --model DIR --server-args "--max-num-seqs 32 --max-num-batched-tokens 512"
+    python scripts/bench_serving.py --base-url http://127.0.0.1:8000   # an already running server, one run
+
+Workload (in the spirit of vLLM's benchmark_serving, multi-turn): --conversations chats, each with --turns user
+turns; every chat opens with one of --system-prompts shared system prompts; a turn is sent once the previous reply
+has arrived, with the reply in the history. Conversations start as a Poisson process whose rate is
+--request-rate / --turns (so requests arrive at about --request-rate per second while the server keeps up; inf:
+all at once), with at most --max-concurrency conversations in flight. Greedy, --max-tokens per reply, EOS ignored,
+so every run generates the same number of tokens.
+
+Reports request throughput, output tokens/s, TTFT / TPOT / end-to-end latency p50 / p90 / p99, and the share of
+prompt tokens served from the prefix cache (usage.prompt_tokens_details), as a table and as JSON (--json-out)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+WORDS = ("the sea ship light keeper storm night wind wave harbour rock coast bell fog boat sailor map star north "
+         "south tide rope lamp tower island bird rain cloud morning evening story old new small great quiet").split()
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    recomputed_tokens: int = 0
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def make_conversations(args) -> list[list[dict]]:
+    """Per conversation: [system message, user turn 1, user turn 2, ...] (replies are added as they come)."""
+    rng = random.Random(args.seed)
+    systems = [f"You are assistant number {i}. " + words(rng, args.system_words) for i in range(args.system_prompts)]
+    return [[{"role": "system", "content": systems[c % len(systems)]}]
+            + [{"role": "user", "content": words(rng, args.user_words)} for _ in range(args.turns)]
+            for c in range(args.conversations)]
+
+
+async def chat_turn(client: httpx.AsyncClient, model: str, messages: list[dict], max_tokens: int,
+                    timeout: float) -> tuple[RequestResult, str]:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    result, text = RequestResult(ok=False), []
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                return RequestResult(ok=False, error=f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"), ""
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return RequestResult(ok=False, error=chunk["error"]["message"]), ""
+                for choice in chunk.get("choices", []):
+                    content = choice["delta"].get("content")
+                    if content:
+                        if not text:
+                            result.ttft = time.perf_counter() - start
+                        text.append(content)
+                if chunk.get("usage"):
+                    u = chunk["usage"]
+                    details = u.get("prompt_tokens_details") or {}
+                    result.output_tokens, result.prompt_tokens = u["completion_tokens"], u["prompt_tokens"]
+                    result.cached_tokens = details.get("cached_tokens", 0)
+                    result.recomputed_tokens = details.get("recomputed_tokens", 0)
+    except (httpx.HTTPError, asyncio.TimeoutError) as e:
+        return RequestResult(ok=False, error=repr(e)), ""
+    result.e2e = time.perf_counter() - start
+    result.ok = result.output_tokens > 0
+    result.ttft = result.ttft or result.e2e
+    return result, "".join(text)
+
+
+async def run_conversation(client, model, script, args, results: list[RequestResult]) -> None:
+    messages = [script[0]]
+    for user in script[1:]:
+        messages.append(user)
+        result, reply = await chat_turn(client, model, messages, args.max_tokens, args.request_timeout)
+        results.append(result)
+        if not result.ok:
+            return
+        messages.append({"role": "assistant", "content": reply})
+
+
+async def run_load(base_url: str, model: str, conversations: list[list[dict]], args) -> tuple[list, float]:
+    rng = np.random.default_rng(args.seed)
+    rate = args.request_rate / args.turns
+    limits = httpx.Limits(max_connections=max(args.max_concurrency, 1) + 4)
+    semaphore = asyncio.Semaphore(args.max_concurrency)
+    results: list[RequestResult] = []
+
+    async def one(script):
+        async with semaphore:
+            await run_conversation(client, model, script, args, results)
+
+    async with httpx.AsyncClient(base_url=base_url, limits=limits) as client:
+        start = time.perf_counter()
+        tasks = []
+        for script in conversations:
+            tasks.append(asyncio.create_task(one(script)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.exponential(1.0 / rate))
+        _, pending = await asyncio.wait(tasks, timeout=args.max_duration)
+        for t in pending:
+            t.cancel()
+        duration = time.perf_counter() - start
+    return results, duration
+
+
+def summarize(label: str, results: list[RequestResult], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+
+    def pct(values, q):
+        return float(np.percentile(values, q)) * 1000 if values else float("nan")
+
+    ttft, e2e = [r.ttft for r in ok], [r.e2e for r in ok]
+    tpot = [r.tpot for r in ok if r.tpot is not None]
+    prompt = sum(r.prompt_tokens for r in ok)
+    summary = {"run": label, "requests": len(results), "failed": len(results) - len(ok), "duration_s": duration,
+               "request_throughput": len(ok) / duration, "output_tokens_per_s": sum(r.output_tokens for r in ok)
+               / duration, "prompt_tokens": prompt, "cached_tokens": sum(r.cached_tokens for r in ok),
+               "recomputed_tokens": sum(r.recomputed_tokens for r in ok),
+               "cache_hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0}
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
+        for q in (50, 90, 99):
+            summary[f"{name}_p{q}_ms"] = pct(values, q)
+    errors = sorted({r.error for r in results if not r.ok})
+    if errors:
+        summary["errors"] = errors[:5]
+    return summary
+
+
+def table(summaries: list[dict]) -> str:
+    head = (f"{'run':<16}{'reqs':>6}{'fail':>5}{'req/s':>8}{'out tok/s':>10}{'cached':>8}"
+            f"{'TTFT p50/p90/p99 ms':>24}{'TPOT p50/p90/p99 ms':>22}{'E2E p50/p90/p99 ms':>24}")
+    lines = [head, "-" * len(head)]
+    for s in summaries:
+        def trio(name, fmt):
+            return "/".join(format(s[f"{name}_p{q}_ms"], fmt) for q in (50, 90, 99))
+        lines.append(f"{s['run']:<16}{s['requests']:>6}{s['failed']:>5}{s['request_throughput']:>8.2f}"
+                     f"{s['output_tokens_per_s']:>10.1f}{s['cache_hit_rate']:>8.1%}{trio('ttft', '.0f'):>24}"
+                     f"{trio('tpot', '.1f'):>22}{trio('e2e', '.0f'):>24}")
+    return "\n".join(lines)
+
+
+async def bench_one(base_url: str, label: str, args) -> dict:
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as c:
+        model = (await c.get("/v1/models")).json()["data"][0]["id"]
+    warm = argparse.Namespace(**{**vars(args), "conversations": 2, "seed": args.seed + 1})
+    await run_load(base_url, model, make_conversations(warm), warm)       # compile sampler paths, not timed
+    results, duration = await run_load(base_url, model, make_conversations(args), args)
+    return summarize(label, results, duration)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", help="bench this running server once instead of starting two")
+    p.add_argument("--model", help="checkpoint for the servers this script starts (default: the tiny demo)")
+    p.add_argument("--server-args", default="--max-num-seqs 8 --max-num-batched-tokens 64 --max-model-len 512",
+                   help="extra `qnext serve` flags for the servers this script starts")
+    p.add_argument("--conversations", type=int, default=24)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--system-prompts", type=int, default=2)
+    p.add_argument("--system-words", type=int, default=60, help="words per shared system prompt")
+    p.add_argument("--user-words", type=int, default=12, help="words per user turn")
+    p.add_argument("--max-tokens", type=int, default=24, help="tokens per reply")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: no pacing")
+    p.add_argument("--max-concurrency", type=int, default=8, help="conversations in flight at most")
+    p.add_argument("--request-timeout", type=float, default=120.0)
+    p.add_argument("--max-duration", type=float, default=600.0, help="seconds a run may take; the rest is cut")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json-out", help="write the summaries here")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from qnext.server.launch import ServerProcess
+
+    summaries = []
+    if args.base_url:
+        summaries.append(asyncio.run(bench_one(args.base_url, "server", args)))
+    else:
+        for label, flag in (("prefix-cache on", "--enable-prefix-caching"),
+                            ("prefix-cache off", "--no-enable-prefix-caching")):
+            server_args = ([args.model] if args.model else []) + shlex.split(args.server_args) + [flag,
+                                                                                                 "--log-level",
+                                                                                                 "warning"]
+            log = Path(tempfile.gettempdir()) / f"qnext-bench-serving-{flag.strip('-')}.log"
+            server = ServerProcess(server_args, log_path=log)
+            try:
+                print(f"starting the server ({label}): qnext serve {' '.join(server_args)}", file=sys.stderr)
+                server.wait_healthy(timeout=900)
+                summaries.append(asyncio.run(bench_one(server.base_url, label, args)))
+            finally:
+                server.stop()
+    print(table(summaries))
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps({"args": vars(args), "runs": summaries}, indent=2, default=str))
+    return 0 if all(s["failed"] == 0 for s in summaries) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
