@@ -67,6 +67,12 @@ class FakeEngine:
     def has_unfinished_requests(self):
         return any(r["finished"] is None for r in self.requests.values())
 
+    def running_request_ids(self):
+        return [rid for rid, r in self.requests.items() if r["finished"] is None and r["tokens"]]
+
+    def cache_usage(self):
+        return {}
+
     @property
     def num_running(self):
         return sum(r["finished"] is None and bool(r["tokens"]) for r in self.requests.values())

@@ -75,7 +75,7 @@ class LLMEngine:
         if self.config.tensor_parallel_size > 1:
             params = place_params(params, self.model_config, self.config)
         self.runner.update_params(params)
-        self.scheduler.cache.clear_prefix_cache()
+        self.scheduler.clear_prefix_cache()
 
     def _start(self, config: EngineConfig, cfg: ModelConfig, params, tokenizer: Tokenizer | None) -> None:
         cfg = cfg.with_backend()             # kernels and layouts chosen once, for every layer and step
@@ -118,18 +118,7 @@ class LLMEngine:
         raise ValueError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        if not all(isinstance(t, (int, np.integer)) for t in token_ids):
-            raise ValueError("prompt_token_ids must be integers")
-        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
-                             "(the prompt must leave room for at least one generated token)")
+        validate_prompt(token_ids, params, self.model_config.vocab_size, self.max_model_len)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
         params = params or SamplingParams()
@@ -172,7 +161,14 @@ class LLMEngine:
     @property
     def cache_stats(self):
         """The prefix cache's counters (cache.CacheStats): tokens reused / lost to a missing state, snapshots."""
-        return self.scheduler.cache.stats
+        return self.scheduler.cache_stats
+
+    def cache_usage(self) -> dict:
+        """Pool occupancy now (Scheduler.cache_usage): KV blocks, live state rows, snapshot rows."""
+        return self.scheduler.cache_usage()
+
+    def running_request_ids(self) -> list[str]:
+        return [seq.request_id for seq in self.scheduler.running]
 
     # ---- the step --------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -212,6 +208,22 @@ class LLMEngine:
     def release(self, request_id: str) -> None:
         """Forget a finished request's bookkeeping (the LLM front end calls it after returning the output)."""
         self.requests.pop(request_id, None)
+
+
+def validate_prompt(token_ids, params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """What every request must satisfy, as a ValueError that says what was wrong (pure: any thread may call it)."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+    if not token_ids:
+        raise ValueError("the prompt is empty")
+    if not all(isinstance(t, (int, np.integer)) for t in token_ids):
+        raise ValueError("prompt_token_ids must be integers")
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if len(token_ids) >= max_model_len:
+        raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {max_model_len} "
+                         "(the prompt must leave room for at least one generated token)")
 
 
 def place_params(params, cfg: ModelConfig, config: EngineConfig):

@@ -217,6 +217,25 @@ class Scheduler:
                 generated += len(seq.output_token_ids) - before
         return updated, generated
 
+    # ---- the cache, for front ends ------------------------------------------------------------------------------
+    @property
+    def cache_stats(self):
+        return self.cache.stats
+
+    def cache_usage(self) -> dict:
+        """Pool occupancy now: shares (0-1) of KV blocks in use, live state rows in use, snapshot rows in use; and
+        the KV blocks holding a cached prefix."""
+        c, blocks, pool = self.cache, self.cache.blocks, self.cache.snapshots
+        live = c.config.num_live_slots
+        return {"kv_cache_usage": blocks.num_used / max(1, blocks.num_blocks - 1),      # block 0 is the dummy
+                "kv_blocks_cached": blocks.num_cached,
+                "state_slots_usage": (live - c.num_free_slots) / max(1, live),
+                "snapshot_pool_usage": pool.num_in_use / pool.capacity if pool.capacity else 0.0}
+
+    def clear_prefix_cache(self) -> None:
+        """Drops every cached KV block and, with them, every snapshot (nothing may be running)."""
+        self.cache.clear_prefix_cache()
+
     def lend_buffers(self) -> CacheBuffers:
         return self.cache.lend_buffers()
 

@@ -219,7 +219,7 @@ class AsyncEngine:
 
     def _affected_by_failed_step(self) -> list[str]:
         """The live requests that were running; all live ones when none was (the step failed admitting them)."""
-        running = [rid for rid in self._live if _status(self.engine, rid) == "running"]
+        running = [rid for rid in self.engine.running_request_ids() if rid in self._live]
         return running or list(self._live)
 
     def _fail(self, request_ids: list[str], error: BaseException) -> None:
@@ -237,9 +237,3 @@ class AsyncEngine:
         with self._lock:
             self._num_queued -= num_taken
             self._snapshot = snap
-
-
-def _status(engine, request_id: str) -> str | None:
-    seq = getattr(engine, "requests", {}).get(request_id)
-    status = getattr(seq, "status", None)
-    return getattr(status, "value", None)

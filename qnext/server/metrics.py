@@ -44,28 +44,8 @@ _USAGE_GAUGES = [
 
 
 def cache_usage(engine) -> dict:
-    """Pool usage read from the engine's cache manager (engine thread only). The engine has no public accessor
-    for these yet, so attributes it lacks are left out rather than failing the loop."""
-    scheduler = getattr(engine, "scheduler", None)
-    cache = getattr(scheduler, "cache", None) or getattr(engine, "cache", None)
-    usage = {}
-    try:
-        blocks = cache.blocks
-        usage["kv_cache_usage"] = blocks.num_used / max(1, blocks.num_blocks - 1)   # block 0 is the dummy
-        usage["kv_blocks_cached"] = blocks.num_cached
-    except AttributeError:
-        pass
-    try:
-        slots = cache.config.num_live_slots
-        usage["state_slots_usage"] = (slots - cache.num_free_slots) / max(1, slots)
-    except AttributeError:
-        pass
-    try:
-        pool = cache.snapshots
-        usage["snapshot_pool_usage"] = pool.num_in_use / pool.capacity if pool.capacity else 0.0
-    except AttributeError:
-        pass
-    return usage
+    """Pool usage now (engine thread only)."""
+    return engine.cache_usage()
 
 
 class ServerMetrics:

@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from qnext.engine.llm_engine import validate_prompt
 from qnext.outputs import RequestOutput
 from qnext.sampling_params import SamplingParams
 from qnext.server import responses as R
@@ -95,12 +96,10 @@ class OpenAIServing:
 
     def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> None:
         n, limit = len(token_ids), self.max_model_len
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise bad_request(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt")
-        if n >= limit:
-            raise bad_request(f"the prompt has {n} tokens; max_model_len is {limit} (the prompt must leave room "
-                              "for at least one generated token)", "prompt")
+        try:
+            validate_prompt(token_ids, params, self.vocab_size, limit)
+        except ValueError as e:
+            raise bad_request(str(e), "prompt") from None
         if params.max_tokens is not None and n + params.max_tokens > limit:
             raise bad_request(f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: "
                               f"{n + params.max_tokens} tokens, more than max_model_len {limit}; ask for at most "
