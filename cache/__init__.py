@@ -1,5 +1,5 @@
-"""Host-side cache manager: KV block pool + prefix cache, mamba snapshot registry and pool, and the device buffers
-they index (only cache/device_buffers.py imports jax; the bookkeeping modules do not)."""
+"""Host-side cache manager: KV block pool + prefix cache, mamba snapshot registry and pool, the host-RAM tier below
+them, and the buffers they index (only device_buffers.py imports jax; the bookkeeping modules do not)."""
 from cache.block_pool import NULL_BLOCK, BlockPool
 from cache.config import CacheConfig
 from cache.hashing import block_hashes, hash_block_tokens
@@ -8,7 +8,8 @@ from cache.manager import Admission, CacheManager
 from cache.policy import CachePolicy
 from cache.sizing import CacheSizes, plan_cache
 from cache.snapshot_pool import SnapshotPool
-from cache.stats import CacheStats
+from cache.stats import CacheStats, TierStats
 
 __all__ = ["NULL_BLOCK", "Admission", "BlockPool", "CacheConfig", "CacheManager", "CachePolicy", "CacheSizes",
-           "CacheStats", "MambaPrefixRegistry", "SnapshotPool", "block_hashes", "hash_block_tokens", "plan_cache"]
+           "CacheStats", "MambaPrefixRegistry", "SnapshotPool", "TierStats", "block_hashes", "hash_block_tokens",
+           "plan_cache"]

@@ -89,6 +89,10 @@ class BlockPool:
     def parent_of(self, block_id: int) -> int | None:
         return self._blocks[block_id].parent
 
+    def last_used(self, block_id: int) -> int:
+        """The pool's clock at the block's last use (larger: more recent)."""
+        return self._blocks[block_id].last_used
+
     def is_free(self, block_id: int) -> bool:
         b = self._blocks[block_id]
         return b.ref_count == 0 and b.hash is None and block_id != NULL_BLOCK

@@ -1,16 +1,34 @@
-"""The device buffers the cache manager's bookkeeping refers to (the one module of `cache/` that imports jax).
+"""The device buffers the cache manager's bookkeeping refers to, and the copies between them and the host tier
+(the one module of `cache/` that imports jax).
 
 KV pages per full-attention layer, and state rows per linear-attention layer: row 0 is the zero state (never written),
 rows 1..num_live_slots hold live sequences, the rest are the prefix-snapshot pool (docs/CONTRACTS.md). Restoring
-and capturing a snapshot are reads and writes of rows inside the model step, so there are no copy kernels here.
-The buffers go into every step and come back out of it, donated.
+and capturing a snapshot are reads and writes of rows inside the model step, so those need no copy kernels. The buffers go
+into every step and come back out of it, donated.
+
+The host tier keeps KV blocks and snapshot rows in numpy arrays laid out like the device buffers
+(slot = block / row): per full-attention layer (k, v) [Hkv, num_host_blocks, block_size, D],
+per linear-attention layer conv [num_host_snapshots, K-1, conv_dim] and recurrent [num_host_snapshots, Hv, dk, dv]
+float32. `apply` runs a TransferPlan (cache/transfers.py) that the cache manager decided: phase by phase, the
+saves (one jitted gather per kind, then one device -> host copy) before the loads (one host gather, one host ->
+device copy and one jitted scatter per kind, the device buffers donated). Index vectors are padded to powers of
+two so that few shapes compile; padded gathers read block / row 0, padded scatters write out of range and are
+dropped (the zero state row is never written); at most MAX_COPY blocks (rows) go in one call. On CPU the
+"device" is host memory and the same code is a copy.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import time
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
+
+from cache.stats import TierStats
+from cache.transfers import TransferPlan
 
 
 @struct.dataclass
@@ -58,3 +76,153 @@ def allocate_cache_buffers(layout: CacheLayout, *, num_blocks: int, block_size: 
     recurrent = tuple(jnp.zeros((num_state_rows, layout.num_v_heads, layout.k_head_dim, layout.v_head_dim), jnp.float32)
                       for _ in range(layout.num_state_layers))
     return CacheBuffers(kv=kv, conv=conv, recurrent=recurrent)
+
+
+# Blocks (rows) per jitted copy: bounds the temporary device memory of a gather and the shapes that compile.
+MAX_COPY = 256
+
+
+@dataclasses.dataclass
+class HostTierBuffers:
+    kv: tuple          # per full-attention layer: (k, v), each [Hkv, num_host_blocks, block_size, D] np
+    conv: tuple        # per linear-attention layer: [num_host_snapshots, K-1, conv_dim] np
+    recurrent: tuple   # per linear-attention layer: [num_host_snapshots, Hv, dk, dv] np float32
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in jax.tree.leaves((self.kv, self.conv, self.recurrent)))
+
+    def block_bytes(self) -> int:
+        return sum(k[:, 0].nbytes + v[:, 0].nbytes for k, v in self.kv)
+
+    def row_bytes(self) -> int:
+        return sum(c[0].nbytes + r[0].nbytes for c, r in zip(self.conv, self.recurrent))
+
+    def apply(self, plan: TransferPlan, buffers: CacheBuffers, stats: TierStats) -> CacheBuffers:
+        """Runs the plan's copies on `buffers` (donated) and this tier's arrays; returns the new device buffers."""
+        for phase in plan.phases:
+            t0 = time.perf_counter()
+            for slots, blocks in _chunks(phase.kv_saves):
+                got = jax.device_get(_gather_blocks(buffers.kv, _padded(blocks, 0)))
+                for (k, v), (gk, gv) in zip(self.kv, got):
+                    k[:, slots], v[:, slots] = gk[:, :len(slots)], gv[:, :len(slots)]
+            for slots, rows in _chunks(phase.state_saves):
+                conv, recurrent = jax.device_get(_gather_rows((buffers.conv, buffers.recurrent), _padded(rows, 0)))
+                for c, r, gc, gr in zip(self.conv, self.recurrent, conv, recurrent):
+                    c[slots], r[slots] = gc[:len(slots)], gr[:len(slots)]
+            t1 = time.perf_counter()
+            for blocks, slots in _chunks(phase.kv_loads):
+                padded = _padded(slots, 0)
+                values = tuple((k[:, padded], v[:, padded]) for k, v in self.kv)
+                kv = _scatter_blocks(buffers.kv, _padded(blocks, buffers.kv[0][0].shape[1]), values)
+                buffers = buffers.replace(kv=kv)
+            for rows, slots in _chunks(phase.state_loads):
+                padded = _padded(slots, 0)
+                values = (tuple(c[padded] for c in self.conv), tuple(r[padded] for r in self.recurrent))
+                conv, recurrent = _scatter_rows((buffers.conv, buffers.recurrent),
+                                                _padded(rows, buffers.conv[0].shape[0]), values)
+                buffers = buffers.replace(conv=conv, recurrent=recurrent)
+            if phase.kv_loads or phase.state_loads:
+                jax.block_until_ready(buffers)
+            t2 = time.perf_counter()
+            block, row = self.block_bytes(), self.row_bytes()
+            stats.bytes_to_host += len(phase.kv_saves) * block + len(phase.state_saves) * row
+            stats.bytes_to_device += len(phase.kv_loads) * block + len(phase.state_loads) * row
+            stats.seconds_to_host += t1 - t0
+            stats.seconds_to_device += t2 - t1
+        return buffers
+
+    def warm_up(self, buffers: CacheBuffers) -> CacheBuffers:
+        """Compiles every copy shape (powers of two up to MAX_COPY) on copies that read block / row 0 and write
+        nothing; returns the buffers."""
+        num_blocks = buffers.kv[0][0].shape[1]
+        num_rows = buffers.conv[0].shape[0] if buffers.conv else 0
+        size = 1
+        while size <= MAX_COPY:
+            zeros, nowhere = np.zeros(size, np.int32), np.full(size, num_blocks, np.int32)
+            if self.kv[0][0].shape[1]:
+                jax.block_until_ready(_gather_blocks(buffers.kv, zeros))
+                values = tuple((k[:, zeros], v[:, zeros]) for k, v in self.kv)
+                buffers = buffers.replace(kv=_scatter_blocks(buffers.kv, nowhere, values))
+            if self.conv and self.conv[0].shape[0]:
+                jax.block_until_ready(_gather_rows((buffers.conv, buffers.recurrent), zeros))
+                values = (tuple(c[zeros] for c in self.conv), tuple(r[zeros] for r in self.recurrent))
+                conv, recurrent = _scatter_rows((buffers.conv, buffers.recurrent),
+                                                np.full(size, num_rows, np.int32), values)
+                buffers = buffers.replace(conv=conv, recurrent=recurrent)
+            size *= 2
+        return jax.block_until_ready(buffers)
+
+
+def allocate_host_buffers(layout: CacheLayout, *, num_blocks: int, block_size: int,
+                          num_snapshots: int) -> HostTierBuffers:
+    """Zeroed host arrays for `num_blocks` KV blocks and `num_snapshots` snapshot rows (whole, not sharded)."""
+    dtype = jnp.dtype(layout.dtype)
+    page = (layout.num_kv_heads, num_blocks, block_size, layout.head_dim)
+    return HostTierBuffers(
+        kv=tuple((np.zeros(page, dtype), np.zeros(page, dtype)) for _ in range(layout.num_kv_layers)),
+        conv=tuple(np.zeros((num_snapshots, layout.conv_width - 1, layout.conv_dim), dtype)
+                   for _ in range(layout.num_state_layers)),
+        recurrent=tuple(np.zeros((num_snapshots, layout.num_v_heads, layout.k_head_dim, layout.v_head_dim),
+                                 np.float32) for _ in range(layout.num_state_layers)))
+
+
+def gather_device_blocks(kv: tuple, blocks: list[int]) -> tuple:
+    """Per KV layer of `kv` (k, v) [Hkv, len(blocks), block_size, D] numpy: the device blocks' contents."""
+    pieces = []
+    for i in range(0, len(blocks), MAX_COPY):
+        part = blocks[i:i + MAX_COPY]
+        got = jax.device_get(_gather_blocks(kv, _padded(part, 0)))
+        pieces.append([(k[:, :len(part)], v[:, :len(part)]) for k, v in got])
+    return tuple((np.concatenate([p[layer][0] for p in pieces], axis=1),
+                  np.concatenate([p[layer][1] for p in pieces], axis=1)) for layer in range(len(kv)))
+
+
+def gather_device_rows(conv: tuple, recurrent: tuple, rows: list[int]) -> tuple[tuple, tuple]:
+    """(conv, recurrent) of the layers given, each [len(rows), ...] numpy: the device rows' contents."""
+    pieces = []
+    for i in range(0, len(rows), MAX_COPY):
+        part = rows[i:i + MAX_COPY]
+        c, r = jax.device_get(_gather_rows((conv, recurrent), _padded(part, 0)))
+        pieces.append(([x[:len(part)] for x in c], [x[:len(part)] for x in r]))
+    return (tuple(np.concatenate([p[0][layer] for p in pieces]) for layer in range(len(conv))),
+            tuple(np.concatenate([p[1][layer] for p in pieces]) for layer in range(len(recurrent))))
+
+
+def _chunks(pairs: dict[int, int]):
+    """(keys, values) of `pairs` in pieces of at most MAX_COPY."""
+    keys, values = list(pairs), list(pairs.values())
+    for i in range(0, len(keys), MAX_COPY):
+        yield keys[i:i + MAX_COPY], values[i:i + MAX_COPY]
+
+
+def _padded(indices: list[int], fill: int) -> np.ndarray:
+    """indices as int32, padded with `fill` to the next power of two (bounded compilations)."""
+    size = 1 << max(0, len(indices) - 1).bit_length()
+    out = np.full(size, fill, np.int32)
+    out[:len(indices)] = indices
+    return out
+
+
+@jax.jit
+def _gather_blocks(kv, blocks):   # kv: per layer (k, v) [Hkv, N, bs, D]; blocks [n]
+    return tuple((k[:, blocks], v[:, blocks]) for k, v in kv)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _scatter_blocks(kv, blocks, values):   # values: per layer (k, v) [Hkv, n, bs, D]; out-of-range blocks dropped
+    return tuple((k.at[:, blocks].set(vk.astype(k.dtype), mode="drop"),
+                  v.at[:, blocks].set(vv.astype(v.dtype), mode="drop")) for (k, v), (vk, vv) in zip(kv, values))
+
+
+@jax.jit
+def _gather_rows(state, rows):   # state: (conv, recurrent), per layer [R, ...]; rows [n]
+    conv, recurrent = state
+    return tuple(c[rows] for c in conv), tuple(r[rows] for r in recurrent)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _scatter_rows(state, rows, values):   # out-of-range rows dropped
+    (conv, recurrent), (vc, vr) = state, values
+    return (tuple(c.at[rows].set(x.astype(c.dtype), mode="drop") for c, x in zip(conv, vc)),
+            tuple(r.at[rows].set(x.astype(r.dtype), mode="drop") for r, x in zip(recurrent, vr)))

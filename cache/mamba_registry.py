@@ -4,6 +4,10 @@ A snapshot is the recurrent + conv state after exactly k*block_size tokens, keye
 tied to that terminal KV block. KV eviction is leaf-first, so when block k goes every deeper block is already gone
 and every shallower one is still cached: dropping the hashes tied to the evicted blocks invalidates exactly the
 snapshots whose KV prefix became incomplete, and keeps the shallower ones usable.
+
+With a host tier (cache/tiers.py) a terminal block is named by its device block id while on the device and by
+`("host", uid)` while in the host tier; a block moving between tiers takes its snapshots along (`retie`), and only
+a block that leaves every tier is reported to `handle_mamba_prefix_evicted_blocks`.
 """
 from typing import Callable, Iterable, Sequence
 
@@ -30,6 +34,14 @@ class MambaPrefixRegistry:
         self._untie(prefix_hash, block)
         self.valid_mamba_prefix_hashes.discard(prefix_hash)
         return True
+
+    def retie(self, old_block, new_block) -> None:
+        """The block `old_block` now lives as `new_block` (it moved to another tier): its snapshots stay valid."""
+        hashes = self.mamba_prefix_hashes_by_block.pop(old_block, None)
+        if hashes:
+            self.mamba_prefix_hashes_by_block.setdefault(new_block, set()).update(hashes)
+            for prefix_hash in hashes:
+                self.mamba_prefix_block_by_hash[prefix_hash] = new_block
 
     def handle_mamba_prefix_evicted_blocks(self, block_ids: Iterable[int]) -> list[bytes]:
         """Drop the snapshots tied to KV blocks that were evicted or cleared; returns their hashes."""

@@ -5,6 +5,9 @@ decode_capture_row (decode, at a block boundary; decode_tracking_row before a mu
 after it for the boundary reached) -> append_slots (decode growth) -> [the step runs] ->
 commit (publish what the step wrote) -> free (finish / abort / preempt). Nothing becomes matchable or restorable
 before the commit of the step that wrote it. What is kept and evicted first is the policy's (cache/policy.py).
+With a host tier (config.num_host_blocks / num_host_snapshot_slots; cache/tiers.py) evictions are offloaded and a
+match continues into the host tier; the copies this decides are taken with `take_transfers` before each step.
+The snapshot mechanics live in cache/snapshot_lifecycle.py.
 """
 import weakref
 from typing import Hashable, Sequence
@@ -12,24 +15,24 @@ from typing import Hashable, Sequence
 from cache.block_pool import BlockPool
 from cache.config import CacheConfig
 from cache.hashing import BlockHashFn, block_hashes, extend_block_hashes, hash_block_tokens
+from cache.host_blocks import HostBlock
 from cache.mamba_registry import MambaPrefixRegistry
 from cache.records import Admission, SequenceRecord
 from cache.policy import CachePolicy
+from cache.snapshot_lifecycle import SnapshotLifecycle
 from cache.snapshot_pool import SnapshotPool
 from cache.stats import CacheStats
+from cache.tiers import HostTier
+from cache.transfers import TransferPlan
 
 __all__ = ["Admission", "CacheConfig", "CacheManager"]
-
-# why a snapshot was captured (SnapshotPool origin); branch points and checkpoints are shared by construction
-PROMPT_END, CHECKPOINT, BRANCH, SEQUENCE_END = "prompt_end", "checkpoint", "branch", "sequence_end"
-
 
 def _weak_method(method):
     ref = weakref.WeakMethod(method)
     return lambda *args: ref()(*args)
 
 
-class CacheManager:
+class CacheManager(SnapshotLifecycle):
     _buffers = None                 # the device buffers between steps (attach_buffers)
 
     def __init__(self, config: CacheConfig, policy: CachePolicy | None = None,
@@ -44,6 +47,8 @@ class CacheManager:
         self.blocks = BlockPool(config.num_blocks, on_evict=_weak_method(self._on_kv_evicted),
                                 max_cached_blocks=self.policy.cached_block_limit(config.num_blocks - 1))
         self.registry = MambaPrefixRegistry()
+        self.tier = HostTier(config.num_host_blocks, config.num_host_snapshot_slots, self.registry, self.stats.tiers)
+        self._offload_evictions = True  # False while clearing: nothing cleared is kept in any tier
         first = config.num_live_slots + 1
         self.snapshots = SnapshotPool(range(first, first + config.num_snapshot_slots),
                                       on_evict=_weak_method(self._on_snapshot_evicted))
@@ -72,7 +77,7 @@ class CacheManager:
         """(read_row, write_row) of the sequence's next step: it starts from its restored snapshot (or the zero
         state, -1) until a step of it has been committed, then from its own live row, which it always writes."""
         seq = self._seq(seq_id)
-        if seq.ran:
+        if seq.ran or seq.restored_in_live_row:
             return seq.state_row, seq.state_row
         return (-1 if seq.pinned_row is None else seq.pinned_row), seq.state_row
 
@@ -114,34 +119,53 @@ class CacheManager:
         bs = self.config.block_size
         hashes = block_hashes(prompt_token_ids, bs, self.block_hash_fn)
         matched: list[int] = []
+        on_host: list[HostBlock] = []
         if self.config.enable_prefix_caching:  # the last prompt token is never served from cache
-            matched = self.blocks.match(hashes[:(n - 1) // bs], prompt_token_ids, bs)
-        depth = self._resolve(hashes, matched)
-        num_fresh = -(-n // bs) - depth
-        if not self.blocks.can_allocate(num_fresh, shared=matched[:depth]):
+            limit = (n - 1) // bs
+            matched = self.blocks.match(hashes[:limit], prompt_token_ids, bs)
+            on_host = self.tier.match(hashes[:limit], prompt_token_ids, bs, matched)
+        kv_matched = len(matched) + len(on_host)
+        depth = self._resolve(hashes, matched, on_host)
+        shared, loaded = matched[:depth], on_host[:max(0, depth - len(matched))]
+        num_fresh = -(-n // bs) - len(shared)
+        if not self.blocks.can_allocate(num_fresh, shared=shared):
             self.stats.admission_failures += 1
             return None
-        restore_row = None
+        state_row = self._free_slots.pop()
+        restore_row = restored_hash = None
+        from_host = False
         if depth and self.config.hybrid:
-            restore_row = self.snapshots.row_of(hashes[depth - 1])
-            self.snapshots.pin(restore_row)
-        self.blocks.acquire(matched[:depth])
+            restored_hash = hashes[depth - 1]
+            restore_row = self.snapshots.row_of(restored_hash)
+            from_host = restore_row is None
+            if from_host:                       # held in the host tier: back into a snapshot row
+                restore_row = self._snapshot_from_host(restored_hash)
+            if restore_row is not None:
+                self.snapshots.pin(restore_row)
+            else:                               # no row to be had: loaded into the live row, read from there
+                self.tier.restore_snapshot(restored_hash, state_row)
+        self.blocks.acquire(shared)
+        self.tier.touch(on_host)
+        self.tier.pin(loaded)                   # no eviction below may take them before they are loaded
         fresh = self.blocks.allocate(num_fresh)
-        seq = SequenceRecord(prompt_len=n, hashes=hashes, block_table=matched[:depth] + fresh,
-                        state_row=self._free_slots.pop(), num_cached_tokens=depth * bs, chain=matched[:depth],
-                        pinned_row=restore_row, kv_matched_tokens=len(matched) * bs)
+        chain = shared + self._load_from_host(loaded, fresh[:len(loaded)], shared[-1] if shared else None)
+        seq = SequenceRecord(prompt_len=n, hashes=hashes, block_table=chain + fresh[len(loaded):],
+                             state_row=state_row, num_cached_tokens=depth * bs, chain=chain, pinned_row=restore_row,
+                             kv_matched_tokens=kv_matched * bs, host_tokens=len(loaded) * bs,
+                             restored_hash=restored_hash, snapshot_from_host=from_host,
+                             restored_in_live_row=from_host and restore_row is None)
         if restore_row is not None:
-            seq.restored_hash = hashes[depth - 1]
-            self._on_restore(seq.restored_hash)
-        if len(matched) > depth:
-            seq.branch_position = len(matched) * bs
+            self._on_restore(restored_hash)
+        if kv_matched > depth:
+            seq.branch_position = kv_matched * bs
         if self.uses_snapshots:
-            seq.capture_plan = [p for p in self.policy.capture_positions(self.config, n, len(matched), depth)
+            seq.capture_plan = [p for p in self.policy.capture_positions(self.config, n, kv_matched, depth)
                                 if depth * bs < p <= n and not self._has_snapshot(hashes[p // bs - 1])]
         self._seqs[seq_id] = seq
         self._count_admission(seq, +1)
         self._track_peaks()
-        return Admission(depth * bs, seq.block_table, seq.state_row, restore_row, len(matched) * bs)
+        return Admission(depth * bs, seq.block_table, seq.state_row,
+                         seq.state_row if seq.restored_in_live_row else restore_row, kv_matched * bs)
 
     def capture_positions(self, seq_id) -> list[int]:
         return list(self._seq(seq_id).capture_plan)
@@ -246,19 +270,32 @@ class CacheManager:
         return self.blocks.evict_until_free(min_free)
 
     def clear_prefix_cache(self) -> list[int]:
-        evicted = self.blocks.clear_prefix_cache()
+        """Drops every cached block and snapshot in every tier (published blocks of running sequences stay theirs)."""
+        self._offload_evictions = False
+        try:
+            evicted = self.blocks.clear_prefix_cache()
+        finally:
+            self._offload_evictions = True
+        self._invalidate(self.tier.clear())
         for seq in self._seqs.values():
             self.blocks.release(self._twin_originals(seq))
             seq.chain = []
         return evicted
 
-    # ---- policy mechanics -----------------------------------------------------------------------------------------
-    def _resolve(self, hashes: list[bytes], matched: list[int]) -> int:
-        if not self.config.hybrid:
-            return len(matched)
-        if not self.uses_snapshots:
-            return 0
-        return self.registry.resolve_mamba_matched_blocks(hashes[:len(matched)], matched, self.snapshots.__contains__)
+    def take_transfers(self) -> TransferPlan:
+        """The copies between tiers decided since the last call, in order (cache/transfers.py); the scheduler runs
+        them (cache/device_buffers.py) before it lends the buffers to the next step."""
+        return self.tier.take_transfers()
+
+    # ---- publishing, and the tiers ----------------------------------------------------------------------------
+    def _load_from_host(self, entries: list[HostBlock], block_ids: list[int], parent: int | None) -> list[int]:
+        """Publish fresh device blocks for host entries (their KV is loaded before the next step runs)."""
+        for entry, block_id in zip(entries, block_ids):
+            self.blocks.publish(block_id, entry.hash, parent, entry.token_ids)
+            self.tier.moved_to_device(entry, block_id)
+            self._sync_protection(block_id)
+            parent = block_id
+        return block_ids
 
     def _publish_limit(self, seq: SequenceRecord, num_computed_tokens: int, freeing: bool) -> int:
         tracked = seq.decode_position if seq.decode_row is not None else 0
@@ -280,6 +317,8 @@ class CacheManager:
             cached = self.blocks.cached_block(block_hash)
             if cached is None:
                 self.blocks.publish(own, block_hash, parent, tokens)
+                self._invalidate(self.tier.published_on_device(own, block_hash, parent, tokens))
+                self._sync_protection(own)              # it may have taken over the host copy's snapshots
                 cached = own
             elif cached != own:
                 cached = self.blocks.cached_child(parent, block_hash, tokens)
@@ -291,76 +330,12 @@ class CacheManager:
     def _twin_originals(self, seq: SequenceRecord) -> list[int]:
         return [c for c, own in zip(seq.chain, seq.block_table) if c != own]
 
-    def _register(self, seq: SequenceRecord, position: int, row: int) -> bool:
-        """Register the reserved row as the snapshot at `position`; False (row released) if its KV is not cached."""
-        depth = position // self.config.block_size
-        if not self.uses_snapshots or depth > len(seq.chain):  # its KV is not cached: the state is useless
-            self.snapshots.release(row)
-            return False
-        prefix_hash, terminal = seq.hashes[depth - 1], seq.chain[depth - 1]
-        old = self.registry.mamba_prefix_block_by_hash.get(prefix_hash)
-        self.registry.capture_mamba_prefix_state(prefix_hash, terminal)
-        origin = self._origin(seq, position)
-        self.snapshots.register(prefix_hash, row, self.policy.snapshot_priority(position, seq.prompt_len), origin)
-        self._sync_protection(terminal)
-        if old is not None and old != terminal:
-            self._sync_protection(old)
-        self.stats.snapshots_captured += 1
-        if origin in (PROMPT_END, CHECKPOINT):
-            seq.prompt_snapshots.append(prefix_hash)
-        return True
-
-    def _origin(self, seq: SequenceRecord, position: int) -> str:
-        if position > seq.prompt_len:
-            return SEQUENCE_END
-        if position == seq.branch_position:
-            return BRANCH
-        if position >= (seq.prompt_len - 1) // self.config.block_size * self.config.block_size:
-            return PROMPT_END
-        return CHECKPOINT
-
-    def _on_restore(self, prefix_hash: bytes) -> None:
-        if self.policy.promote_on_restore:
-            max_protected = int(self.config.num_snapshot_slots * self.policy.protected_share)
-            self.snapshots.promote(prefix_hash, max_protected=max_protected)
-        else:
-            self.snapshots.touch(prefix_hash)
-
-    def _on_superseded(self, seq: SequenceRecord) -> None:
-        """A finished sequence registered a deeper snapshot on its own path, so the next turn continues from that
-        one. Evicted first: its prompt snapshots nobody restored, and the snapshot it restored if that was a previous
-        turn's prompt or sequence end used by this sequence alone. Branch points and checkpoints are shared by
-        construction and keep their place."""
-        if not self.policy.demote_superseded:
-            return
-        stale = [h for h in seq.prompt_snapshots if self.snapshots.hits(h) == 0]
-        restored = seq.restored_hash
-        if (restored is not None and self.snapshots.origin(restored) in (PROMPT_END, SEQUENCE_END)
-                and self.snapshots.hits(restored) == 1):
-            stale.append(restored)
-        for prefix_hash in stale:
-            self.snapshots.demote(prefix_hash)
-
-    def _has_snapshot(self, prefix_hash: bytes) -> bool:
-        return prefix_hash in self.registry.valid_mamba_prefix_hashes and prefix_hash in self.snapshots
-
     def _on_kv_evicted(self, block_ids: list[int]) -> None:
+        """Device eviction (leaves first): offloaded to the host tier where it has room; what leaves the last tier
+        invalidates the snapshots tied to it."""
         self.stats.kv_blocks_evicted += len(block_ids)
-        for prefix_hash in self.registry.handle_mamba_prefix_evicted_blocks(block_ids):
-            if self.snapshots.discard(prefix_hash):
-                self.stats.snapshots_invalidated += 1
+        self._invalidate(self.tier.evicted_from_device(block_ids, offload=self._offload_evictions))
         self.policy.on_kv_evicted(block_ids)
-
-    def _on_snapshot_evicted(self, prefix_hash: bytes) -> None:
-        block = self.registry.mamba_prefix_block_by_hash.get(prefix_hash)
-        self.registry.invalidate_mamba_prefix_hash(prefix_hash)
-        if block is not None:
-            self._sync_protection(block)
-        self.stats.snapshots_evicted += 1
-
-    def _sync_protection(self, block: int) -> None:
-        if self.policy.protect_snapshot_blocks:
-            self.blocks.set_protected(block, block in self.registry.mamba_prefix_hashes_by_block)
 
     # ---- internals ------------------------------------------------------------------------------------------------
     def _count_admission(self, seq: SequenceRecord, sign: int) -> None:
@@ -371,6 +346,9 @@ class CacheManager:
         s.kv_matched_tokens += sign * seq.kv_matched_tokens
         s.lost_to_missing_state_tokens += sign * (seq.kv_matched_tokens - seq.num_cached_tokens)
         s.snapshots_restored += sign * (seq.restored_hash is not None)
+        s.tiers.device_hit_tokens += sign * (seq.num_cached_tokens - seq.host_tokens)
+        s.tiers.host_hit_tokens += sign * seq.host_tokens
+        s.tiers.host_hits += sign * bool(seq.host_tokens or seq.snapshot_from_host)
 
     def _seq(self, seq_id) -> SequenceRecord:
         seq = self._seqs.get(seq_id)

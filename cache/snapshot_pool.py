@@ -72,13 +72,16 @@ class SnapshotPool:
         self._reserved.remove(row)
         self._free.append(row)
 
-    def register(self, prefix_hash: bytes, row: int, priority: int = 0, origin: str = "") -> None:
-        """A reserved row now holds the state for prefix_hash; an older row for the same hash is dropped."""
+    def register(self, prefix_hash: bytes, row: int, priority: int = 0, origin: str = "", hits: int = 0) -> None:
+        """A reserved row now holds the state for prefix_hash; an older row for the same hash is dropped. `hits`:
+        those it already had (a snapshot coming back from the host tier)."""
         self._reserved.remove(row)
         self.discard(prefix_hash)
         self._priority[prefix_hash] = priority
         self._lru[priority][prefix_hash] = row
         self._origin[prefix_hash] = origin
+        if hits:
+            self._hits[prefix_hash] = hits
 
     def origin(self, prefix_hash: bytes) -> str | None:
         return self._origin.get(prefix_hash)
@@ -140,12 +143,13 @@ class SnapshotPool:
         return True
 
     def evict_lru(self, may_evict_protected: bool = True) -> bytes | None:
-        """Evict the least recently used unpinned snapshot (lowest priority first) and report it to on_evict."""
+        """Evict the least recently used unpinned snapshot (lowest priority first). It is reported to on_evict
+        before its row is freed (row_of still answers then: the cache manager may copy the row to the host tier)."""
         for lru in self._lru if may_evict_protected else self._lru[:-1]:
             for prefix_hash, row in lru.items():
                 if row not in self._pins:
-                    self.discard(prefix_hash)
                     self.on_evict(prefix_hash)
+                    self.discard(prefix_hash)
                     return prefix_hash
         return None
 

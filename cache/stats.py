@@ -1,5 +1,26 @@
-"""Counters of the cache manager."""
-from dataclasses import asdict, dataclass
+"""Counters of the cache manager, and of its host tier."""
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class TierStats:
+    """The host tier (cache/tiers.py): what moved between the tiers, what the host tier served, what it dropped.
+    Bytes and seconds are counted where the copies run (cache/device_buffers.py)."""
+    host_hits: int = 0                  # admissions that loaded KV blocks or a snapshot back from the host tier
+    host_hit_tokens: int = 0            # tokens whose KV was loaded back from the host tier
+    device_hit_tokens: int = 0          # tokens whose KV was already on the device
+    blocks_offloaded: int = 0           # device -> host, at device eviction
+    blocks_loaded: int = 0              # host -> device, at admission
+    snapshots_offloaded: int = 0
+    snapshots_loaded: int = 0           # host -> a sequence's live row, at admission
+    host_blocks_dropped: int = 0        # left the last tier (host LRU, or no room); their snapshots are invalidated
+    host_snapshots_dropped: int = 0     # by the host tier's snapshot LRU
+    bytes_to_host: int = 0
+    bytes_to_device: int = 0
+    seconds_to_host: float = 0.0
+    seconds_to_device: float = 0.0
+    blocks_from_disk: int = 0           # loaded into the host tier at start (prefix_cache_dir)
+    snapshots_from_disk: int = 0
 
 
 @dataclass
@@ -12,12 +33,13 @@ class CacheStats:
     admission_failures: int = 0
     snapshots_captured: int = 0
     snapshots_restored: int = 0
-    snapshots_evicted: int = 0              # by the snapshot pool's LRU (KV kept)
-    snapshots_invalidated: int = 0          # by eviction or clearing of their terminal KV block
-    kv_blocks_evicted: int = 0
+    snapshots_evicted: int = 0              # by the snapshot pool's LRU (KV kept; offloaded if there is a host tier)
+    snapshots_invalidated: int = 0          # by eviction or clearing of their terminal KV block from the last tier
+    kv_blocks_evicted: int = 0              # from the device (offloaded if there is a host tier)
     peak_blocks_in_use: int = 0
     peak_slots_in_use: int = 0
     peak_snapshot_rows_in_use: int = 0
+    tiers: TierStats = field(default_factory=TierStats)
 
     @property
     def reuse_rate(self) -> float:

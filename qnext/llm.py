@@ -16,8 +16,10 @@ class LLM:
     """A Qwen3.5 / Qwen3-Next model served by the qnext engine.
 
     Engine options carry vLLM's names: enable_prefix_caching, block_size, max_num_seqs, max_num_batched_tokens,
-    max_model_len, dtype, seed, num_gpu_blocks_override; plus max_num_snapshots and snapshot_memory_bytes for
-    the prefix-snapshot pool of the linear-attention state. warm_up=True compiles every step shape up front.
+    max_model_len, dtype, seed, num_gpu_blocks_override, kv_offloading_size (GiB of host RAM for evicted KV blocks
+    and snapshots); plus max_num_snapshots and snapshot_memory_bytes for the prefix-snapshot pool of the
+    linear-attention state, and prefix_cache_dir (the cache is written there at close() and read at start; use
+    `with LLM(...) as llm:`). warm_up=True compiles every step shape up front.
     """
 
     def __init__(self, model: str | Path, *, warm_up: bool = False, progress=None, **engine_options):
@@ -68,6 +70,16 @@ class LLM:
     def cache_info(self) -> dict:
         """The cache's split (LLMEngine.cache_info): blocks, KV bytes, live and snapshot rows, state bytes, budget."""
         return self.engine.cache_info()
+
+    def close(self) -> None:
+        """Writes the prefix cache to `prefix_cache_dir` if one is set (LLMEngine.close); no requests after it."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

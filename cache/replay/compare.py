@@ -29,6 +29,7 @@ class ReplaySettings:
     snapshot_memory_fraction: float = DEFAULT_SNAPSHOT_MEMORY_FRACTION   # qnext's knob (cache/sizing.py)
     sglang_mamba_full_memory_ratio: float = 0.9   # state pool : KV = 0.9 : 1; 2 rows per running request not cache
     seed_snapshots_per_live_row: int = 2          # bounded so that KV keeps at least half of the non-live memory
+    host_multiple: float = 0.0         # qnext's host tier: this many times its device KV blocks and snapshot rows
 
 
 def build_manager(policy: str, budget: int, settings: ReplaySettings, requests: list[Request]) -> CacheManager:
@@ -58,7 +59,9 @@ def build_manager(policy: str, budget: int, settings: ReplaySettings, requests: 
         raise ValueError(f"unknown policy {policy!r}; choose from {POLICIES}")
     if blocks < 2:
         raise ValueError(f"budget {budget} leaves {policy} {blocks} KV blocks; raise the budget")
-    config = CacheConfig(block_size=bs, num_blocks=blocks + 1, num_live_slots=live, num_snapshot_slots=snaps)
+    host = settings.host_multiple if policy == "qnext" else 0.0
+    config = CacheConfig(block_size=bs, num_blocks=blocks + 1, num_live_slots=live, num_snapshot_slots=snaps,
+                         num_host_blocks=int(host * blocks), num_host_snapshot_slots=int(host * snaps))
     return CacheManager(config, PEER_POLICIES.get(policy, CachePolicy)())
 
 

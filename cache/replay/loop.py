@@ -67,6 +67,7 @@ def replay(mgr: CacheManager, requests: list[Request], in_flight: int, chunk: in
                 mgr.free(r.sid, r.tokens, r.final)
                 running.remove(r)
                 hold = False
+        mgr.take_transfers()  # the copies between tiers a real engine would run before the next step
         if not progressed:  # every running request is stuck on memory: preempt the newest and retry it later
             r = running.pop()
             mgr.free(r.sid, r.tokens, r.computed)
@@ -85,4 +86,7 @@ def replay(mgr: CacheManager, requests: list[Request], in_flight: int, chunk: in
             "snapshots_captured": s.snapshots_captured, "snapshots_evicted": s.snapshots_evicted,
             "snapshots_invalidated": s.snapshots_invalidated, "kv_blocks": mgr.config.num_blocks - 1,
             "snapshot_rows": mgr.config.num_snapshot_slots, "rejected": rejected, "preempted": preempted,
-            "steps": steps}
+            "steps": steps, "host_blocks": mgr.config.num_host_blocks,
+            "host_snapshot_rows": mgr.config.num_host_snapshot_slots,
+            "host_hit_tokens": s.tiers.host_hit_tokens, "blocks_offloaded": s.tiers.blocks_offloaded,
+            "blocks_loaded": s.tiers.blocks_loaded, "snapshots_loaded": s.tiers.snapshots_loaded}

@@ -9,17 +9,25 @@ The budget, in vLLM's terms:
 - else (CPU) what `max_num_seqs` sequences of `max_model_len` and 4 snapshot rows per sequence take, as before;
 - `num_gpu_blocks_override` fixes the KV blocks instead, with `max_num_snapshots` (default 4 per sequence)
   snapshot rows capped by `snapshot_memory_bytes`.
+The host tier (docs/cache.md): `kv_offloading_size` GiB of host RAM split like the device cache's KV blocks and
+snapshot rows; with `prefix_cache_dir` and no such budget, as many blocks and rows as the device cache (a restart
+loads the persisted cache there).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+from pathlib import Path
 
 import jax
 
 from cache import CacheConfig, CacheManager
 from cache.device_buffers import CacheLayout, allocate_cache_buffers, num_state_rows
-from cache.sizing import CacheSizes, plan_cache
+from cache.fingerprint import arrays_digest, cache_fingerprint
+from cache.device_buffers import HostTierBuffers, allocate_host_buffers
+from cache.persisted_cache import load_prefix_cache
+from cache.sizing import GIB, CacheSizes, plan_cache
 from qnext.config import ModelConfig
 from qnext.engine.config import EngineConfig
 from qnext.model.cache_buffers import cache_layout
@@ -84,12 +92,33 @@ def cache_sizes(cfg: ModelConfig, c: EngineConfig, max_model_len: int, activatio
                       snapshot_memory_bytes=c.snapshot_memory_bytes)
 
 
-def make_cache(cfg: ModelConfig, c: EngineConfig, sizes: CacheSizes, mesh=None) -> CacheManager:
-    """The cache manager, owning device buffers of `sizes` (sharded over `mesh` under tensor parallelism)."""
+def host_tier_sizes(cfg: ModelConfig, c: EngineConfig, sizes: CacheSizes) -> tuple[int, int]:
+    """(host-tier KV blocks, host-tier snapshot slots). The host keeps whole (unsharded) blocks and rows."""
+    if not c.enable_prefix_caching:
+        return 0, 0
+    layout = cache_layout(cfg, as_dtype(c.dtype))
+    block_bytes = layout.kv_bytes_per_block(c.block_size)
+    row_bytes = layout.state_bytes_per_row if cfg.linear_layer_ids else 0
+    budget = int(c.kv_offloading_size * GIB)
+    if budget:
+        scale = budget / (sizes.num_blocks * block_bytes + sizes.num_snapshot_rows * row_bytes)
+        return int(sizes.num_blocks * scale), int(sizes.num_snapshot_rows * scale) if row_bytes else 0
+    if c.prefix_cache_dir is not None:
+        return sizes.num_blocks, sizes.num_snapshot_rows if row_bytes else 0
+    return 0, 0
+
+
+def make_cache(cfg: ModelConfig, c: EngineConfig, sizes: CacheSizes, mesh=None,
+               fingerprint: dict | None = None) -> tuple[CacheManager, HostTierBuffers | None]:
+    """The cache manager, owning device buffers of `sizes` (sharded over `mesh` under tensor parallelism), and the
+    host tier's arrays (None without a host tier). With `prefix_cache_dir` (and its `fingerprint`) a cache file
+    written for the same fingerprint is loaded into the host tier."""
+    host_blocks, host_snapshots = host_tier_sizes(cfg, c, sizes)
     cache = CacheManager(CacheConfig(block_size=c.block_size, num_blocks=sizes.num_blocks + 1,
                                      num_live_slots=sizes.num_live_rows, num_snapshot_slots=sizes.num_snapshot_rows,
                                      enable_prefix_caching=c.enable_prefix_caching,
-                                     hybrid=bool(cfg.linear_layer_ids)))
+                                     hybrid=bool(cfg.linear_layer_ids), num_host_blocks=host_blocks,
+                                     num_host_snapshot_slots=host_snapshots))
     layout: CacheLayout = cache_layout(cfg, as_dtype(c.dtype))
     allocate = functools.partial(allocate_cache_buffers, layout, num_blocks=sizes.num_blocks + 1,
                                  block_size=c.block_size,
@@ -97,4 +126,27 @@ def make_cache(cfg: ModelConfig, c: EngineConfig, sizes: CacheSizes, mesh=None) 
     cache.attach_buffers(sharded_buffers(allocate, mesh) if mesh is not None else allocate())
     capped = sizes.max_num_snapshots is not None and sizes.num_snapshot_rows < sizes.max_num_snapshots
     (logger.warning if capped else logger.info)(sizes.describe())
-    return cache
+    host = None
+    if host_blocks or host_snapshots:
+        host = allocate_host_buffers(layout, num_blocks=host_blocks, block_size=c.block_size,
+                                     num_snapshots=host_snapshots)
+        logger.info("host tier: %d KV blocks and %d snapshot rows (%.2f GiB of host RAM)", host_blocks,
+                    host_snapshots, host.nbytes / GIB)
+    if c.prefix_cache_dir is not None and host is not None and fingerprint is not None:
+        blocks, snapshots = load_prefix_cache(c.prefix_cache_dir, cache, host, fingerprint)
+        if blocks:
+            logger.info("prefix cache: %d KV blocks and %d snapshots loaded from %s into the host tier", blocks,
+                        snapshots, Path(c.prefix_cache_dir))
+    return cache, host
+
+
+def prefix_cache_fingerprint(cfg: ModelConfig, c: EngineConfig, weights_digest: str) -> dict:
+    """What a persisted cache is bound to (cache/fingerprint.py): the model config (its kernels' backend aside), the
+    weights' digest, the dtype, the block size and the cache layout's version."""
+    config = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "backend"}
+    return cache_fingerprint(config, weights_digest, c.dtype, c.block_size)
+
+
+def params_weights_digest(params) -> str:
+    """Digest of in-memory weights (fetched from the devices)."""
+    return arrays_digest(jax.device_get(leaf) for leaf in jax.tree.leaves(params))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from qnext.config import ModelConfig
 
@@ -25,6 +26,9 @@ class EngineConfig:
     max_prefill_groups_extra: int = 8         # prefill groups a step may have beyond tokens / chunk
     num_scheduler_steps: int = 1              # decode steps per jitted call (1: one step per call)
     tensor_parallel_size: int = 1             # devices the model's heads are split over (tensor_parallel.py)
+    kv_offloading_size: float = 0.0           # GiB of host RAM for the cache's host tier (evicted KV blocks and
+                                              # snapshots); 0: evictions are dropped (docs/cache.md)
+    prefix_cache_dir: str | os.PathLike | None = None   # the prefix cache is written here at close(), read at start
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk", "num_scheduler_steps",
@@ -50,6 +54,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be a non-negative integer or None, got {value!r}")
+        if not isinstance(self.kv_offloading_size, (int, float)) or self.kv_offloading_size < 0:
+            raise ValueError(f"kv_offloading_size must be a number of GiB >= 0, got {self.kv_offloading_size!r}")
+        if self.prefix_cache_dir is not None and not isinstance(self.prefix_cache_dir, (str, os.PathLike)):
+            raise ValueError(f"prefix_cache_dir must be a path, got {self.prefix_cache_dir!r}")
 
     def resolved_prefill_chunk(self, backend: str) -> int:
         """The option, or by backend: 32 on CPU (XLA:CPU runs the chunked delta rule's small per-chunk matmuls

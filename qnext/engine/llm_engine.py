@@ -3,6 +3,9 @@
 One step flows one way (docs/engine.md): the scheduler plans it (StepPlan, with the cache's buffers lent), the
 runner lays it out, runs the jitted step and samples (StepResult, with the new buffers), and the scheduler's
 postprocess commits, appends, checks stops, finishes and gives the buffers back to the cache manager.
+
+With `prefix_cache_dir`, `close()` (or leaving a `with LLMEngine(...)` block) writes the prefix cache to disk and
+a new engine on the same directory and the same model loads it at start (docs/cache.md).
 """
 from __future__ import annotations
 
@@ -14,8 +17,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+from cache.fingerprint import files_digest
+from cache.persisted_cache import save_prefix_cache
 from qnext.config import ModelConfig
-from qnext.engine.cache_setup import cache_sizes, make_cache
+from qnext.engine.cache_setup import cache_sizes, make_cache, params_weights_digest, prefix_cache_fingerprint
 from qnext.engine.config import EngineConfig
 from qnext.engine.postprocess import request_output
 from qnext.engine.runner import ModelRunner
@@ -23,7 +28,7 @@ from qnext.engine.scheduler import Scheduler
 from qnext.engine.sequence import Sequence
 from qnext.engine.stats import EngineStats
 from qnext.model.buckets import BucketTable
-from qnext.model.loader import convert_checkpoint, load_params
+from qnext.model.loader import checkpoint_files, convert_checkpoint, load_params
 from qnext.model.tensor_parallel import local_config, make_mesh, shard_params
 from qnext.model.weights import as_dtype
 from qnext.outputs import RequestOutput
@@ -36,6 +41,9 @@ Prompt = str | dict | list
 
 
 class LLMEngine:
+    _weights_digest: str | None = None   # of the weights the cache was computed with (only with prefix_cache_dir)
+    _closed = False
+
     def __init__(self, model: str | Path, *, progress: Callable[[str], Any] | None = None, **options):
         model = Path(model)
         if not (model / "config.json").is_file():
@@ -50,6 +58,8 @@ class LLMEngine:
             params = shard_params(convert_checkpoint(model, cfg, dtype), cfg, make_mesh(tp))
         else:
             params = load_params(model, cfg, dtype)
+        if config.prefix_cache_dir is not None and config.enable_prefix_caching:
+            self._weights_digest = files_digest(checkpoint_files(model))
         self._start(config, cfg, params, tokenizer)
 
     @classmethod
@@ -76,6 +86,7 @@ class LLMEngine:
             params = place_params(params, self.model_config, self.config)
         self.runner.update_params(params)
         self.scheduler.clear_prefix_cache()
+        self._weights_digest = None          # a persisted cache is bound to the new weights (digest at close)
 
     def _start(self, config: EngineConfig, cfg: ModelConfig, params, tokenizer: Tokenizer | None) -> None:
         cfg = cfg.with_backend()             # kernels and layouts chosen once, for every layer and step
@@ -89,16 +100,22 @@ class LLMEngine:
         self.stats = EngineStats()
         self.runner = ModelRunner(cfg, params, config, buckets, self.stats)
         self.cache_sizes = cache_sizes(cfg, config, self.max_model_len, self.runner.activation_bytes)
-        self.scheduler = Scheduler(config, make_cache(cfg, config, self.cache_sizes, mesh), buckets,
-                                   eos_token_ids=cfg.eos_token_ids, vocab_size=cfg.vocab_size,
-                                   max_model_len=self.max_model_len)
+        persisted = config.prefix_cache_dir is not None and config.enable_prefix_caching
+        fingerprint = self._cache_fingerprint() if persisted else None
+        cache, host_buffers = make_cache(cfg, config, self.cache_sizes, mesh, fingerprint)
+        self.scheduler = Scheduler(config, cache, buckets, eos_token_ids=cfg.eos_token_ids,
+                                   vocab_size=cfg.vocab_size, max_model_len=self.max_model_len,
+                                   host_buffers=host_buffers)
         self.requests: dict[str, Sequence] = {}
         self._request_counter = 0
 
     def warm_up(self, on_bucket=None) -> int:
         """Compiles every step shape (and the common sampler variants); after it a workload compiles nothing.
         Returns the number of shapes."""
-        self.scheduler.return_buffers(self.runner.warm_up(self.scheduler.lend_buffers(), on_bucket))
+        buffers = self.runner.warm_up(self.scheduler.lend_buffers(), on_bucket)
+        if self.scheduler.host_buffers is not None:           # and the copies between the tiers
+            buffers = self.scheduler.host_buffers.warm_up(buffers)
+        self.scheduler.return_buffers(buffers)
         return self.num_step_shapes
 
     @property
@@ -121,6 +138,9 @@ class LLMEngine:
         validate_prompt(token_ids, params, self.model_config.vocab_size, self.max_model_len)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
+        if self._closed:
+            raise RuntimeError("the engine is closed; start a new one (with the same prefix_cache_dir to reuse its "
+                               "cache)")
         params = params or SamplingParams()
         text, token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)
@@ -162,6 +182,36 @@ class LLMEngine:
     def cache_stats(self):
         """The prefix cache's counters (cache.CacheStats): tokens reused / lost to a missing state, snapshots."""
         return self.scheduler.cache_stats
+
+    # ---- shutting down ---------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Writes the prefix cache (its index and both tiers' contents) to `prefix_cache_dir` if one is set; then
+        the engine takes no new requests. Requests still in flight are not finished (the blocks they published are
+        written). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.config.prefix_cache_dir is None or not self.config.enable_prefix_caching:
+            return
+        if self.scheduler.cache.buffers is None:
+            logger.warning("the prefix cache is not written to %s: a step failed before it returned the cache's "
+                           "buffers", self.config.prefix_cache_dir)
+            return
+        self.scheduler.flush_transfers()
+        path = save_prefix_cache(self.config.prefix_cache_dir, self.scheduler.cache, self.scheduler.host_buffers,
+                                 self._cache_fingerprint())
+        logger.info("prefix cache written to %s (%d bytes)", path, path.stat().st_size)
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _cache_fingerprint(self) -> dict:
+        if self._weights_digest is None:
+            self._weights_digest = params_weights_digest(self.runner.params)
+        return prefix_cache_fingerprint(self.model_config, self.config, self._weights_digest)
 
     def cache_usage(self) -> dict:
         """Pool occupancy now (Scheduler.cache_usage): KV blocks, live state rows, snapshot rows."""

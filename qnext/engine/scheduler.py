@@ -5,6 +5,10 @@ Running sequences go first (decode tokens and continuing prefill chunks, oldest 
 admitted while the token budget, `max_num_seqs`, a compiled step shape and the cache allow. A running sequence
 that cannot get a KV block preempts the newest running sequence (by recompute: its cache is released and it goes
 back to the front of the queue; its output so far is kept and recomputed as part of its prompt).
+
+With a host tier the cache manager decides copies between the device buffers and host memory (offloads at
+eviction, loads at admission); the scheduler runs them (cache/device_buffers.py) whenever it lends the buffers
+out, so each runs before the step that could overwrite its source or needs its target.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from collections.abc import Sequence as Seq
 
 from cache import CacheManager
 from cache.device_buffers import CacheBuffers
+from cache.device_buffers import HostTierBuffers
 from qnext.engine.config import EngineConfig
 from qnext.engine.plan import MultiStepPlan, ScheduledSequence, StepPlan, StepResult
 from qnext.engine.postprocess import Stop, append_sampled, append_tokens, device_stop_ids, mark_finished
@@ -38,9 +43,11 @@ class _Work:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, cache: CacheManager, buckets: BucketTable, *,
-                 eos_token_ids: Seq[int], vocab_size: int, max_model_len: int):
+                 eos_token_ids: Seq[int], vocab_size: int, max_model_len: int,
+                 host_buffers: HostTierBuffers | None = None):
         self.config = config
         self.cache = cache
+        self.host_buffers = host_buffers      # the host tier's arrays (None: no host tier)
         self.buckets = buckets
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = vocab_size
@@ -80,7 +87,7 @@ class Scheduler:
                               write_row=write_row, captures=captures)
             items.append(ScheduledSequence(w.seq, segment, samples=w.end == w.seq.num_tokens))
         bucket = self.buckets.bucket_for([it.segment for it in items])
-        return StepPlan(items, bucket, self.cache.lend_buffers(), multi)
+        return StepPlan(items, bucket, self.lend_buffers(), multi)
 
     def _pick(self) -> list[_Work]:
         work: list[_Work] = []
@@ -223,21 +230,33 @@ class Scheduler:
         return self.cache.stats
 
     def cache_usage(self) -> dict:
-        """Pool occupancy now: shares (0-1) of KV blocks in use, live state rows in use, snapshot rows in use; and
-        the KV blocks holding a cached prefix."""
+        """Pool occupancy now: shares (0-1) of KV blocks in use, live state rows in use, snapshot rows in use; the
+        KV blocks holding a cached prefix; and the host tier's KV blocks and snapshots held (0 without one)."""
         c, blocks, pool = self.cache, self.cache.blocks, self.cache.snapshots
         live = c.config.num_live_slots
         return {"kv_cache_usage": blocks.num_used / max(1, blocks.num_blocks - 1),      # block 0 is the dummy
                 "kv_blocks_cached": blocks.num_cached,
                 "state_slots_usage": (live - c.num_free_slots) / max(1, live),
-                "snapshot_pool_usage": pool.num_in_use / pool.capacity if pool.capacity else 0.0}
+                "snapshot_pool_usage": pool.num_in_use / pool.capacity if pool.capacity else 0.0,
+                "host_kv_blocks_cached": len(c.tier.blocks), "host_snapshots_cached": len(c.tier.snapshots)}
 
     def clear_prefix_cache(self) -> None:
-        """Drops every cached KV block and, with them, every snapshot (nothing may be running)."""
+        """Drops every cached KV block and, with them, every snapshot, in every tier (nothing may be running)."""
         self.cache.clear_prefix_cache()
 
     def lend_buffers(self) -> CacheBuffers:
-        return self.cache.lend_buffers()
+        """The cache's buffers for a step, after the copies between tiers decided so far have run on them."""
+        buffers = self.cache.lend_buffers()
+        transfers = self.cache.take_transfers()
+        if transfers:
+            if self.host_buffers is None:
+                raise RuntimeError("the cache manager has a host tier but the scheduler has no host buffers")
+            buffers = self.host_buffers.apply(transfers, buffers, self.cache.stats.tiers)
+        return buffers
+
+    def flush_transfers(self) -> None:
+        """Runs the pending copies between tiers now (before the cache is written to disk)."""
+        self.return_buffers(self.lend_buffers())
 
     def return_buffers(self, buffers: CacheBuffers) -> None:
         self.cache.return_buffers(buffers)

@@ -1,0 +1,42 @@
+"""The fingerprint a persisted prefix cache is bound to (plain Python, no jax): what the cached KV and states depend
+on. A cache file whose fingerprint differs in any part is never loaded (cache/persistence.py)."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+# Bump when the meaning of the cache's contents or of the file's index changes (buffer layouts, hashing).
+CACHE_LAYOUT_VERSION = 1
+
+
+def files_digest(paths: Iterable[Path]) -> str:
+    """blake2b of the files' names and bytes (e.g. a checkpoint's safetensors files), read in 8 MiB pieces."""
+    h = hashlib.blake2b(digest_size=16)
+    for path in paths:
+        h.update(Path(path).name.encode() + b"\0")
+        with open(path, "rb") as f:
+            while piece := f.read(8 << 20):
+                h.update(piece)
+    return h.hexdigest()
+
+
+def arrays_digest(arrays: Iterable) -> str:
+    """blake2b of arrays' dtypes, shapes and bytes (e.g. in-memory weights, in a fixed order)."""
+    h = hashlib.blake2b(digest_size=16)
+    for a in arrays:
+        a = np.ascontiguousarray(np.asarray(a))
+        h.update(f"{a.dtype.name}{a.shape}".encode())
+        h.update(a.view(np.uint8).reshape(-1))
+    return h.hexdigest()
+
+
+def cache_fingerprint(model_config: dict, weights_digest: str, dtype: str, block_size: int) -> dict:
+    """The parts a persisted cache must agree on, each comparable on its own (the warning names the first that
+    differs)."""
+    config = json.dumps(model_config, sort_keys=True, default=str).encode()
+    return {"layout_version": CACHE_LAYOUT_VERSION, "block_size": int(block_size), "dtype": str(dtype),
+            "model_config": hashlib.blake2b(config, digest_size=16).hexdigest(), "weights": weights_digest}
