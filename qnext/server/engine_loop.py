@@ -83,10 +83,14 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Aborts what is still live and joins the engine thread."""
+        """Aborts what is still live, joins the engine thread, then closes the engine (which writes the prefix
+        cache to prefix_cache_dir when one is set)."""
         if self._thread.is_alive():
             self._commands.put(("stop", None))
             self._thread.join(timeout)
+        close = getattr(self.engine, "close", None)
+        if close is not None and not self._thread.is_alive():
+            close()
 
     # ---- the event loop --------------------------------------------------------------------------------------
     async def add(self, request_id: str, prompt: dict, params: SamplingParams) -> RequestStream:
