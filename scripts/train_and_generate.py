@@ -25,7 +25,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="Hugging Face checkpoint directory (default: the tiny demo checkpoint)")
     p.add_argument("--steps", type=int, default=6, help="optax steps, each on a fresh batch of samples")
-    p.add_argument("--samples-per-prompt", type=int, default=2)
+    p.add_argument("--samples-per-prompt", type=int, default=2, help="samples of each prompt in a batch")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--learning-rate", type=float, default=2e-2)
     return p.parse_args(argv)
@@ -34,10 +34,6 @@ def parse_args(argv=None):
 def main(argv=None) -> tuple[float, float]:
     args = parse_args(argv)
     import jax
-
-    # XLA:CPU's asynchronous dispatch can leave the training step's result never ready (seen with jax 0.10 on two
-    # cores from a batch of 16 sequences); executing in the caller's thread avoids it. Other backends ignore it.
-    jax.config.update("jax_cpu_enable_async_dispatch", False)
     import jax.numpy as jnp
     import numpy as np
     import optax
