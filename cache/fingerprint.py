@@ -24,6 +24,29 @@ def files_digest(paths: Iterable[Path]) -> str:
     return h.hexdigest()
 
 
+def files_digest_memoized(paths: Iterable[Path], memo: Path) -> str:
+    """files_digest, remembered in the JSON file `memo` under the files' names, sizes and modification times: a
+    checkpoint read once is not read again at the next start (it is re-read when any of those change, as a copy or
+    a rewrite does). A missing or unreadable memo is recomputed; a memo that cannot be written is skipped."""
+    paths = [Path(p) for p in paths]
+    key = [[p.name, st.st_size, st.st_mtime_ns] for p in paths for st in [p.stat()]]
+    try:
+        saved = json.loads(Path(memo).read_text())
+        if saved.get("files") == key and isinstance(saved.get("digest"), str):
+            return saved["digest"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    digest = files_digest(paths)
+    try:
+        Path(memo).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(f"{memo}.tmp")
+        tmp.write_text(json.dumps({"files": key, "digest": digest}))
+        tmp.replace(memo)
+    except OSError:
+        pass
+    return digest
+
+
 def arrays_digest(arrays: Iterable) -> str:
     """blake2b of arrays' dtypes, shapes and bytes (e.g. in-memory weights, in a fixed order)."""
     h = hashlib.blake2b(digest_size=16)

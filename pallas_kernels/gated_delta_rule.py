@@ -97,7 +97,7 @@ def _forward_substitute(lower):
     return jax.lax.fori_loop(1, lower.shape[-1], row, jnp.broadcast_to(eye, lower.shape))
 
 
-def _unit_lower_inverse(lower, base=16):
+def unit_lower_inverse(lower, base=16):
     """(I + lower)^-1 for strictly lower-triangular [..., C, C]: diagonal blocks of `base` rows by forward
     substitution (all blocks at once), then merged pairwise with [[A, 0], [B, D]]^-1 = [[A^-1, 0],
     [-D^-1 B A^-1, D^-1]]. About 5x faster on CPU than row-by-row substitution over C = 64."""
@@ -105,7 +105,7 @@ def _unit_lower_inverse(lower, base=16):
     if c <= base or c % 2:
         return _forward_substitute(lower)
     h = c // 2
-    halves = _unit_lower_inverse(jnp.stack([lower[..., :h, :h], lower[..., h:, h:]]), base)
+    halves = unit_lower_inverse(jnp.stack([lower[..., :h, :h], lower[..., h:, h:]]), base)
     a_inv, d_inv = halves[0], halves[1]
     below = -_mm(_mm(d_inv, lower[..., h:, :h]), a_inv)
     top = jnp.concatenate([a_inv, jnp.zeros_like(a_inv)], axis=-1)
@@ -136,7 +136,7 @@ def chunk_gated_delta_rule_reference(q, k, v, g, beta, length, state, read_row, 
     gamma = jnp.exp(jnp.where(causal, big_g[..., :, None] - big_g[..., None, :], -jnp.inf))  # incl. diagonal
     strict = jnp.tril(jnp.ones((c, c), bool), -1)
     lower = jnp.where(strict, beta[..., :, None] * kk * gamma, 0.0)
-    t_mat = _unit_lower_inverse(lower)
+    t_mat = unit_lower_inverse(lower)
     qk = qk * gamma
     g_last = big_g[..., -1]                                                 # padded rows have g = 0
     live = jnp.where(is_last & (write_row > 0), write_row, 0)     # end state -> live row (last group only)

@@ -1,4 +1,4 @@
-"""qnext against transformers' `generate`, side by side in one run, and against the machine's own GEMM floor.
+"""qnext against transformers' `generate`, side by side in one run, and against the machine's own floors.
 
 Same checkpoint, dtype and prompts for both engines:
 - offline: B prompts of random length at once, fixed output length, ignore_eos, greedy: output tokens/s, TTFT,
@@ -6,7 +6,11 @@ Same checkpoint, dtype and prompts for both engines:
 - floor: the model's matmul FLOPs for the workload (projections, MLP / active experts, lm_head for sampled tokens,
   plus attention scores and delta-rule state terms) over the GEMM rate this machine reaches at the step's shapes
   (the model's own weight matrices at M = the decode batch, and M = 512 prefill rows; the faster of the layouts
-  x @ W[K, N] and the engine's W[N, K]), measured in the same run.
+  x @ W[K, N] and the engine's W[N, K]), measured in the same run; and the bandwidth floor: the bytes the workload
+  must move (every weight once a step, each row's KV and recurrent state; qnext/bench/bandwidth.py) over the memory
+  bandwidth this machine streams in the same run (the fastest of a few readers of a buffer the size of the
+  weights). Each phase takes the slower of its two floors (prefill is GEMM-bound, small-batch decode is
+  bandwidth-bound); "% of floor" is of that binding floor, and "% step" of one decode step's binding floor.
 - chat: multi-turn chats (turn k's prompt = history + new message), one request at a time, TTFT per turn with
   prefix caching on and off, and the cache's reuse counters.
 - host: time per engine step outside the jitted step (scheduling, cache manager, input building, sampling).
@@ -14,9 +18,9 @@ Same checkpoint, dtype and prompts for both engines:
 JAX compilation is excluded: each timed qnext pass follows a warm-up pass of the same shapes (same prompt lengths,
 other tokens, so the prefix cache cannot hit), and the run checks that no step compiled while timed (if one did,
 the pass is rerun). Compilations persist in --out-dir/jax_cache, so a second run starts faster. Both engines get
-the same threads (--threads) and alternate in one process; where transformers runs, each engine makes --repeats
-timed passes (alternating, prompts of the same lengths with new tokens) and its fastest pass is reported, so a slow
-spell of a shared machine does not decide the ratio.
+the same threads (--threads) and alternate in one process; each engine makes --repeats timed passes (alternating,
+prompts of the same lengths with new tokens) and its fastest pass is reported, as the floors' rates are the fastest
+of their repeats, so a slow spell of a shared machine decides neither the ratio nor the share of the floor.
 
     python scripts/bench.py --json-out docs/bench/cpu-float32.json --plot docs/bench/cpu-float32.png
     python scripts/bench.py --models small --dtype bfloat16  # on a GPU: same script, Pallas kernels
@@ -39,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from qnext.model.host_devices import request_host_devices  # noqa: E402
 from qnext.bench.flops import matmul_shapes, workload_flops  # noqa: E402
 from qnext.bench.presets import PRESETS, bench_checkpoint  # noqa: E402
+from qnext.bench.bandwidth import floors, memory_bandwidth, weight_bytes, workload_bytes  # noqa: E402
 from qnext.engine.llm_engine import freeze_startup_heap  # noqa: E402
 from qnext.bench.transformers_driver import agreement, load_hf, random_prompts, run_hf  # noqa: E402
 
@@ -68,8 +73,8 @@ def parse_args(argv=None):
     ap.add_argument("--input-len", default="64:256", help="prompt lengths, uniform in [lo, hi]")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3,
-                    help="timed passes of each engine, alternating, where transformers runs too; each engine's "
-                         "fastest pass is reported (the machine's load varies run to run)")
+                    help="timed passes of each engine, alternating; each engine's fastest pass is reported (the "
+                         "machine's load varies run to run)")
     ap.add_argument("--chat-models", default=None, help="presets for the chat workload (default: --models)")
     ap.add_argument("--chats", type=int, default=2)
     ap.add_argument("--turns", type=int, default=4)
@@ -158,6 +163,22 @@ def gemm_rates(cfg, ms: list[int], dtypes: tuple[str, ...], reps: int = 3) -> di
     return out
 
 
+def logit_error(path, dtype: str, vocab: int, rng, length: int = 256) -> dict:
+    """How far `dtype`'s logits are from float32's on one random prompt of `length` tokens (every position, scored
+    through the engine's own step): the largest and RMS absolute difference, the RMS relative to the logits' own
+    RMS, and the share of positions whose argmax (the greedy token) agrees."""
+    from qnext.model.scoring import load_model
+
+    ids = rng.integers(3, vocab - 8, length).tolist()
+    ref = load_model(path, "float32").logits(ids)
+    got = load_model(path, dtype).logits(ids)
+    err = np.abs(got - ref)
+    rms = float(np.sqrt(np.mean(err ** 2)))
+    return {"tokens": length, "max_abs": float(err.max()), "rms_abs": rms,
+            "rms_relative": rms / float(np.sqrt(np.mean(ref ** 2))),
+            "argmax_agreement": float(np.mean(got.argmax(-1) == ref.argmax(-1)))}
+
+
 # ---- qnext ---------------------------------------------------------------------------------------------------------
 class StepProfile:
     """Per engine step: its wall time and its phases, read from the engine's own counters (EngineStats): schedule,
@@ -239,8 +260,12 @@ def host_summary(steps: list[dict], decode_rows: int | None = None) -> dict:
     count = sum(max(1, s["steps"]) for s in steps)
     mean = {k: float(sum(s[k] for s in steps) / count) for k in StepProfile.PARTS + ("step",)}
     host = mean["step"] - mean["device"]
+    # the fastest call of the most steps per call: a rate sustained over a few steps, as the bandwidth reader's is
+    most = max(max(1, s["steps"]) for s in steps)
+    fastest = min(s["step"] / most for s in steps if max(1, s["steps"]) == most)
     return {"num_steps": count, **{f"{k}_s": v for k, v in mean.items()},
-            "host_s": host, "host_fraction": host / mean["step"]}
+            "host_s": host, "host_fraction": host / mean["step"], "step_s_fastest_call": fastest,
+            "steps_per_call": most}
 
 
 # ---- workloads -----------------------------------------------------------------------------------------------------
@@ -312,6 +337,23 @@ def run_chat(engines: dict, args, vocab: int, rng) -> dict:
 
 
 # ---- one model -----------------------------------------------------------------------------------------------------
+def set_floors(row: dict, fl: dict) -> None:
+    """The row's floors (qnext/bench/bandwidth.py: floors) and each engine's share of them."""
+    q, h, tokens = row["qnext"], row.get("hf"), row["batch"] * row["output_len"]
+    row.update(floor=fl, floor_seconds=fl["seconds"], floor_output_tokens_per_s=tokens / fl["seconds"],
+               gemm_floor_output_tokens_per_s=tokens / fl["gemm_seconds"],
+               bandwidth_floor_output_tokens_per_s=tokens / fl["bandwidth_seconds"])
+    q["fraction_of_floor"] = fl["seconds"] / q["seconds"]
+    step = q["host_full_decode"].get("step_s")
+    q["decode_fraction_of_floor"] = fl["decode_step_s"] / step if step else None
+    q["decode_fraction_of_bandwidth_floor"] = fl["decode_step_bandwidth_s"] / step if step else None
+    fastest = q["host_full_decode"].get("step_s_fastest_call")
+    q["decode_fraction_of_bandwidth_floor_fastest_call"] = fl["decode_step_bandwidth_s"] / fastest if fastest else None
+    if h:
+        h["fraction_of_floor"] = fl["seconds"] / h["seconds"]
+        row["floor_over_hf"] = row["floor_output_tokens_per_s"] / h["output_tokens_per_s"]
+
+
 def bench_model(name: str, args, hf_ok: bool, log) -> dict:
     import jax
 
@@ -330,6 +372,10 @@ def bench_model(name: str, args, hf_ok: bool, log) -> dict:
               "engine_options": options, "offline": [], "host": {},
               "compile": {"step_shapes": 0, "warm_up_seconds": 0.0}}
 
+    if args.dtype != "float32":
+        result["logit_error_vs_float32"] = logit_error(path, args.dtype, cfg.vocab_size,
+                                                       np.random.default_rng(args.seed + 1))
+        log(f"[{name}] {args.dtype} logits against float32: {result['logit_error_vs_float32']}")
     log(f"[{name}] loading qnext ({args.dtype})")
     llm = qnext.LLM(path, **options)
     engine = llm.engine
@@ -346,6 +392,7 @@ def bench_model(name: str, args, hf_ok: bool, log) -> dict:
 
     gemm = gemm_rates(cfg, sorted(set(batches + [min(preset.max_num_batched_tokens, 512)])), ("float32", "bfloat16"))
     result["gemm"] = {str(m): v for m, v in gemm.items()}
+    result["bandwidth"] = memory_bandwidth(int(weight_bytes(cfg, "float32", 1)))
     prefill_m = min(preset.max_num_batched_tokens, 512)
 
     for b in batches:
@@ -354,6 +401,7 @@ def bench_model(name: str, args, hf_ok: bool, log) -> dict:
         log(f"[{name}] batch {b}: qnext (after a warm-up pass of the same shapes)")
         w = run_qnext(engine, warm, min(args.output_len, 16), f"warm{b}")
         q = run_qnext(engine, prompts, args.output_len, f"b{b}")
+        tokens = q["tokens"]              # of `prompts`, which the other engines' first passes run too
         if q["compilations"]:             # a shape the short warm-up missed: the timed pass is rerun, warm
             log(f"[{name}] batch {b}: {q['compilations']} step shapes compiled while timed; running it again")
             w["compilations"] += q["compilations"]
@@ -365,55 +413,59 @@ def bench_model(name: str, args, hf_ok: bool, log) -> dict:
         with_hf = b in hf_batches and hf is not None
         if one_step is not None:
             run_qnext(one_step, warm, min(args.output_len, 16), f"warm{b}-one-step")
-        if with_hf or one_step is not None:
-            for r in range(args.repeats):     # alternating passes; prompts of the same lengths, new tokens
-                again = prompts if r == 0 else [[(t * (2 * r + 3) + 7 * r) % (cfg.vocab_size - 11) + 3 for t in p]
-                                                for p in prompts]
-                log(f"[{name}] batch {b}: pass {r + 1} of {args.repeats}")
-                if r:
-                    q_passes.append(run_qnext(engine, again, args.output_len, f"b{b}-pass{r}"))
-                if one_step is not None:
-                    s_passes.append(run_qnext(one_step, again, args.output_len, f"b{b}-pass{r}-one-step"))
-                if with_hf:
-                    h_passes.append(run_hf(hf, again, args.output_len, cfg.pad_token_id or 0))
-            q = min(q_passes, key=lambda x: x["seconds"])
-            q["pass_seconds"] = [x["seconds"] for x in q_passes]
+        for r in range(args.repeats):     # alternating passes; prompts of the same lengths, new tokens
+            again = prompts if r == 0 else [[(t * (2 * r + 3) + 7 * r) % (cfg.vocab_size - 11) + 3 for t in p]
+                                            for p in prompts]
+            log(f"[{name}] batch {b}: pass {r + 1} of {args.repeats}")
+            if r:
+                q_passes.append(run_qnext(engine, again, args.output_len, f"b{b}-pass{r}"))
+            if one_step is not None:
+                s_passes.append(run_qnext(one_step, again, args.output_len, f"b{b}-pass{r}-one-step"))
+            if with_hf:
+                h_passes.append(run_hf(hf, again, args.output_len, cfg.pad_token_id or 0))
+        q = min(q_passes, key=lambda x: x["seconds"])
+        q["pass_seconds"] = [x["seconds"] for x in q_passes]
         row = {"batch": b, "prompt_lens": [len(p) for p in prompts], "output_len": args.output_len}
-        flops = workload_flops(cfg, row["prompt_lens"], args.output_len)
-        rate_prefill = gemm[prefill_m][args.dtype]["flops_per_s"]
-        rate_decode = gemm[b][args.dtype]["flops_per_s"]
-        floor = flops["prefill"] / rate_prefill + flops["decode"] / rate_decode
-        row["flops"] = flops
-        row["floor_seconds"] = floor
-        row["floor_output_tokens_per_s"] = b * args.output_len / floor
+        row["flops"] = workload_flops(cfg, row["prompt_lens"], args.output_len)
+        row["bytes"] = workload_bytes(cfg, args.dtype, row["prompt_lens"], args.output_len,
+                                      preset.max_num_batched_tokens)
         row["qnext"] = {k: v for k, v in q.items() if k not in ("steps", "tokens")}
-        row["qnext"]["fraction_of_floor"] = floor / q["seconds"]
         row["qnext"]["host_all_steps"] = host_summary(q["steps"])
         row["qnext"]["host_full_decode"] = host_summary(q["steps"], decode_rows=b)
         result["host"][str(b)] = row["qnext"]["host_full_decode"]
-        log(f"[{name}] batch {b}: qnext {q['output_tokens_per_s']:.1f} tok/s ({100 * floor / q['seconds']:.0f}% of "
-            f"the GEMM floor {row['floor_output_tokens_per_s']:.1f} tok/s)")
+        log(f"[{name}] batch {b}: qnext {q['output_tokens_per_s']:.1f} tok/s, decode step "
+            f"{fmt_s(row['qnext']['host_full_decode'].get('step_s'))}")
         if s_passes:
             one = min(s_passes, key=lambda x: x["seconds"])
             row["qnext_one_step_per_call"] = {
                 "output_tokens_per_s": one["output_tokens_per_s"], "tpot_s": float(np.mean(one["tpot_s"])),
                 "pass_seconds": [x["seconds"] for x in s_passes],
                 "host_full_decode": host_summary(one["steps"], decode_rows=b),
-                "same_tokens": s_passes[0]["tokens"] == q_passes[0]["tokens"]}
+                "same_tokens": s_passes[0]["tokens"] == tokens}
             row["multi_step_speedup"] = q["output_tokens_per_s"] / one["output_tokens_per_s"]
         if h_passes:
             h = min(h_passes, key=lambda x: x["seconds"])
             row["hf"] = {k: v for k, v in h.items() if k != "tokens"}
             row["hf"]["pass_seconds"] = [x["seconds"] for x in h_passes]
-            row["hf"]["fraction_of_floor"] = floor / h["seconds"]
-            row["floor_over_hf"] = row["floor_output_tokens_per_s"] / h["output_tokens_per_s"]
-            row["agreement"] = agreement(q_passes[0]["tokens"], h_passes[0]["tokens"])   # same prompts for both
+            row["agreement"] = agreement(tokens, h_passes[0]["tokens"])   # same prompts for both
             row["ratio"] = {"throughput": q["output_tokens_per_s"] / h["output_tokens_per_s"],
                             "ttft": np.mean(q["ttft_s"]) / np.mean(h["ttft_s"]),
                             "tpot": np.mean(q["tpot_s"]) / np.mean(h["tpot_s"])}
             log(f"[{name}] batch {b}: transformers {h['output_tokens_per_s']:.1f} tok/s, agreement "
                 f"{100 * row['agreement']['identical_outputs']:.0f}%")
         result["offline"].append(row)
+        measured = memory_bandwidth(result["bandwidth"]["bytes"])     # after each batch too: the fastest counts
+        if measured["bytes_per_s"] > result["bandwidth"]["bytes_per_s"]:
+            result["bandwidth"] = measured
+
+    bw = result["bandwidth"]
+    log(f"[{name}] memory bandwidth {bw['bytes_per_s'] / 1e9:.1f} GB/s ({bw['reader']})")
+    for row in result["offline"]:
+        set_floors(row, floors(row["flops"], row["bytes"], gemm[prefill_m][args.dtype]["flops_per_s"],
+                               gemm[row["batch"]][args.dtype]["flops_per_s"], bw["bytes_per_s"]))
+        log(f"[{name}] batch {row['batch']}: {100 * row['qnext']['fraction_of_floor']:.0f}% of the floor "
+            f"{row['floor_output_tokens_per_s']:.1f} tok/s (GEMM floor {row['gemm_floor_output_tokens_per_s']:.1f}, "
+            f"bandwidth floor {row['bandwidth_floor_output_tokens_per_s']:.1f})")
 
     if name in args.chat_models:
         log(f"[{name}] multi-turn chat, prefix caching on / off")
@@ -427,7 +479,7 @@ def bench_model(name: str, args, hf_ok: bool, log) -> dict:
 
 # ---- report --------------------------------------------------------------------------------------------------------
 def fmt_s(x):
-    return "-" if x is None else (f"{x * 1e3:.1f}ms" if x < 1 else f"{x:.2f}s")
+    return "-" if x is None or x != x else (f"{x * 1e3:.1f}ms" if x < 1 else f"{x:.2f}s")
 
 
 def targets(results: list[dict]) -> list[dict]:
@@ -442,7 +494,14 @@ def targets(results: list[dict]) -> list[dict]:
         r, f = small16["ratio"]["throughput"], small16["qnext"]["fraction_of_floor"]
         out.append({"target": "small b16 throughput >= 2x transformers", "value": r, "met": r >= 2,
                     "needs_fraction_of_floor": 2 / small16["floor_over_hf"]})
-        out.append({"target": "small b16 throughput >= 60% of FLOP floor", "value": f, "met": f >= 0.6})
+        out.append({"target": "small b16 throughput >= 60% of the floor", "value": f, "met": f >= 0.6})
+    small1 = row("small", 1)
+    if small1 and small1["qnext"].get("decode_fraction_of_bandwidth_floor"):
+        f = small1["qnext"]["decode_fraction_of_bandwidth_floor"]
+        out.append({"target": "small b1 decode step (mean) >= 85% of the bandwidth floor", "value": f, "met": f >= 0.85})
+        f = small1["qnext"]["decode_fraction_of_bandwidth_floor_fastest_call"]
+        out.append({"target": "small b1 decode step (fastest call) >= 85% of the bandwidth floor", "value": f,
+                    "met": f >= 0.85})
     for b in (16, 64):
         t = row("tiny", b)
         if t and "ratio" in t:
@@ -469,20 +528,35 @@ def print_report(report: dict) -> None:
         g = r["gemm"]
         rates = "  ".join(f"M={m}: fp32 {v['float32']['flops_per_s'] / 1e9:.0f} / bf16 "
                           f"{v['bfloat16']['flops_per_s'] / 1e9:.0f}" for m, v in g.items())
+        bw = r["bandwidth"]
+        err = r.get("logit_error_vs_float32")
+        if err:
+            print(f"\n{r['model']} {report['dtype']} logits against float32 ({err['tokens']} positions): max abs "
+                  f"{err['max_abs']:.3g}, RMS {err['rms_abs']:.3g} ({100 * err['rms_relative']:.1f}% of the logits' "
+                  f"RMS), greedy token agrees at {100 * err['argmax_agreement']:.1f}%")
         print(f"\n== {r['model']} ({r['family']}, {r['flops_per_token_matmul'] / 1e6:.1f} MFLOP/token in matmuls)"
-              f"  GEMM GFLOP/s at the model's shapes: {rates}")
-        print(f"{'batch':>5} {'qnext tok/s':>11} {'hf tok/s':>9} {'x hf':>6} {'floor tok/s':>11} {'%floor':>6} "
-              f"{'TTFT q':>8} {'TTFT hf':>8} {'TPOT q':>8} {'TPOT hf':>8} {'host%':>6} {'agree':>6}")
+              f"  GEMM GFLOP/s at the model's shapes: {rates}  memory bandwidth {bw['bytes_per_s'] / 1e9:.1f} GB/s "
+              f"({bw['reader']})")
+        print(f"{'batch':>5} {'qnext tok/s':>11} {'hf tok/s':>9} {'x hf':>6} {'GEMM floor':>10} {'BW floor':>9} "
+              f"{'%floor':>6} {'TTFT q':>8} {'TTFT hf':>8} {'TPOT q':>8} {'TPOT hf':>8} {'step q':>8} "
+              f"{'GEMM fl':>8} {'BW fl':>8} {'%GEMM':>5} {'%BW':>5} {'host%':>6} {'agree':>6}")
         for o in r["offline"]:
-            q, h = o["qnext"], o.get("hf")
+            q, h, fl = o["qnext"], o.get("hf"), o["floor"]
             host = q["host_full_decode"] or q["host_all_steps"]
+            step = q["host_full_decode"].get("step_s") or float("nan")
             print(f"{o['batch']:>5} {q['output_tokens_per_s']:>11.1f} "
                   f"{(h['output_tokens_per_s'] if h else float('nan')):>9.1f} "
-                  f"{(o['ratio']['throughput'] if h else float('nan')):>6.2f} {o['floor_output_tokens_per_s']:>11.1f} "
+                  f"{(o['ratio']['throughput'] if h else float('nan')):>6.2f} "
+                  f"{o['gemm_floor_output_tokens_per_s']:>10.1f} {o['bandwidth_floor_output_tokens_per_s']:>9.1f} "
                   f"{100 * q['fraction_of_floor']:>5.0f}% {fmt_s(np.mean(q['ttft_s'])):>8} "
                   f"{fmt_s(np.mean(h['ttft_s']) if h else None):>8} {fmt_s(np.mean(q['tpot_s'])):>8} "
-                  f"{fmt_s(np.mean(h['tpot_s']) if h else None):>8} {100 * host['host_fraction']:>5.1f}% "
+                  f"{fmt_s(np.mean(h['tpot_s']) if h else None):>8} {fmt_s(step):>8} "
+                  f"{fmt_s(fl['decode_step_gemm_s']):>8} {fmt_s(fl['decode_step_bandwidth_s']):>8} "
+                  f"{100 * fl['decode_step_gemm_s'] / step:>4.0f}% {100 * fl['decode_step_bandwidth_s'] / step:>4.0f}% "
+                  f"{100 * host['host_fraction']:>5.1f}% "
                   f"{(100 * o['agreement']['identical_outputs'] if h else float('nan')):>5.0f}%")
+        print("  GEMM / BW floor: tok/s at this machine's GEMM rate / memory bandwidth; %floor: of the slower of the "
+              "two in each phase; step q: one decode step of every row, and its two floors (GEMM fl, BW fl)")
         for o in r["offline"]:
             one = o.get("qnext_one_step_per_call")
             if one:
@@ -492,7 +566,8 @@ def print_report(report: dict) -> None:
                       f"({o['multi_step_speedup']:.2f}x), same tokens: {one['same_tokens']}")
         for b, host in r["host"].items():
             if host:
-                print(f"  host per decode step at batch {b}: step {fmt_s(host['step_s'])}, jitted step "
+                print(f"  host per decode step at batch {b}: step {fmt_s(host['step_s'])} (fastest call of "
+                      f"{host['steps_per_call']}: {fmt_s(host['step_s_fastest_call'])} a step), jitted step "
                       f"{fmt_s(host['device_s'])}, outside it {fmt_s(host['host_s'])} "
                       f"({100 * host['host_fraction']:.1f}%: schedule {fmt_s(host['schedule_s'])}, layout "
                       f"{fmt_s(host['layout_s'])}, sample {fmt_s(host['sample_s'])}, postprocess "
@@ -510,7 +585,7 @@ def print_report(report: dict) -> None:
         print("\ntargets:")
         for t in report["targets"]:
             needs = t.get("needs_fraction_of_floor")
-            needs = f" (that needs {100 * needs:.0f}% of the GEMM floor)" if needs else ""
+            needs = f" (that needs {100 * needs:.0f}% of the floor)" if needs else ""
             print(f"  [{'met' if t['met'] else 'NOT met'}] {t['target']}: {t['value']:.3g}{needs}")
     print(f"\ntotal bench time {report['seconds']:.0f}s")
 
@@ -532,7 +607,7 @@ def plot(report: dict, path: str) -> None:
             ax1.plot([o["batch"] for o in hf], [o["hf"]["output_tokens_per_s"] for o in hf], "s--", color=c,
                      label=f"transformers {r['model']}")
         ax1.plot([o["batch"] for o in rows], [o["floor_output_tokens_per_s"] for o in rows], ":", color=c,
-                 label=f"GEMM floor {r['model']}")
+                 label=f"floor {r['model']} (GEMM or bandwidth)")
         chat = r.get("chat")
         if chat:
             turns = [t["turn"] for t in chat["turns"]]

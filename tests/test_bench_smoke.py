@@ -30,14 +30,26 @@ def test_bench_quick_writes_json_and_plot(tmp_path, dtype):
     assert tiny["model"] == "tiny"
     assert {"gemm", "offline", "host", "chat", "flops_per_token_matmul", "engine_options", "compile"} <= tiny.keys()
     assert [row["batch"] for row in tiny["offline"]] == [1, 4]
+    assert tiny["bandwidth"]["bytes_per_s"] > 0 and tiny["bandwidth"]["bytes"] > 0
+    assert ("logit_error_vs_float32" in tiny) == (dtype != "float32")
+    if dtype != "float32":
+        assert 0 < tiny["logit_error_vs_float32"]["rms_relative"] < 0.1
     for row in tiny["offline"]:
         q = row["qnext"]
         assert q["compilations"] == 0, "a step shape compiled while timed"
         assert q["output_tokens_per_s"] > 0 and len(q["ttft_s"]) == row["batch"] == len(q["tpot_s"])
         assert 0 < q["fraction_of_floor"] and row["floor_output_tokens_per_s"] > 0
         assert row["flops"]["prefill"] > 0 and row["flops"]["decode"] > 0
+        # both floors; the reported one is the slower of the two in each phase
+        floor = row["floor"]
+        assert row["gemm_floor_output_tokens_per_s"] > 0 and row["bandwidth_floor_output_tokens_per_s"] > 0
+        assert floor["seconds"] >= max(floor["gemm_seconds"], floor["bandwidth_seconds"]) * (1 - 1e-9)
+        assert floor["decode_step_s"] == max(floor["decode_step_gemm_s"], floor["decode_step_bandwidth_s"])
+        assert 0 < q["decode_fraction_of_bandwidth_floor"] and row["bytes"]["decode"] > 0
         host = q["host_full_decode"]
         assert 0 <= host["host_fraction"] < 1 and host["device_s"] > 0
+        assert 0 < host["step_s_fastest_call"] <= host["step_s"] * (1 + 1e-9)
+        assert q["decode_fraction_of_bandwidth_floor_fastest_call"] >= q["decode_fraction_of_bandwidth_floor"]
     for rates in tiny["gemm"].values():
         assert rates["float32"]["flops_per_s"] > 0 and rates["bfloat16"]["flops_per_s"] > 0
 

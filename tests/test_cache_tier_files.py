@@ -1,6 +1,7 @@
 """The persisted cache without an engine: the file format (cache/persistence.py) and the index a restart loads
 into the host tier (cache/cache_index.py)."""
 import logging
+import os
 
 import ml_dtypes
 import numpy as np
@@ -91,3 +92,20 @@ def test_an_index_larger_than_the_host_tier_keeps_whole_prefixes_most_recent_fir
     assert new.admit("d", list(range(100, 121))).num_cached_tokens == 20
     adm = new.admit("c", list(range(17)))                       # a's snapshot went with its terminal block
     assert (adm.kv_matched_tokens, adm.num_cached_tokens) == (4, 0)
+
+
+def test_the_weights_digest_is_remembered_by_file_size_and_time(tmp_path):
+    from cache.fingerprint import files_digest, files_digest_memoized
+
+    weights, memo = tmp_path / "model.safetensors", tmp_path / "cache" / "digest.json"
+    weights.write_bytes(b"a" * 1000)
+    first = files_digest_memoized([weights], memo)
+    assert first == files_digest([weights]) and memo.is_file()
+    stat = weights.stat()
+    weights.write_bytes(b"b" * 1000)                    # same size, same time: the memo answers without reading
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert files_digest_memoized([weights], memo) == first
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))    # a rewrite moves the time: read again
+    assert files_digest_memoized([weights], memo) == files_digest([weights]) != first
+    memo.write_text("{not json")
+    assert files_digest_memoized([weights], memo) == files_digest([weights])

@@ -59,19 +59,42 @@ def test_tied_embeddings_have_one_param_used_as_lm_head(tiny_checkpoint):
     assert params["lm_head"] is params["embed"]
 
 
-def test_dense_delta_rule_matches_the_token_recurrence():
-    rng = np.random.default_rng(0)
-    b, length, hk, hv, dk, dv = 2, 23, 2, 4, 8, 6                   # three chunks of 8, the last one short
+def _delta_rule_inputs(b, length, hk, hv, dk, dv, seed=0):
+    rng = np.random.default_rng(seed)
     q, k = (rng.standard_normal((b, length, hk, dk)).astype(np.float32) for _ in range(2))
     q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
     v = rng.standard_normal((b, length, hv, dv)).astype(np.float32)
     g = -rng.uniform(0.0, 2.0, (b, length, hv)).astype(np.float32)
     beta = rng.uniform(0.0, 1.0, (b, length, hv)).astype(np.float32)
-    out = np.asarray(jax.jit(dense_gated_delta_rule, static_argnames="chunk")(q, k, v, g, beta, chunk=8))
+    return q, k, v, g, beta
+
+
+# chunk 8: three chunks, the last one short, inverted by forward substitution alone; chunk 32: 16-row blocks merged
+@pytest.mark.parametrize("length, chunk", [(23, 8), (70, 32)])
+def test_dense_delta_rule_matches_the_token_recurrence(length, chunk):
+    b = 2
+    q, k, v, g, beta = _delta_rule_inputs(b, length, 2, 4, 8, 6)
+    out = np.asarray(jax.jit(dense_gated_delta_rule, static_argnames="chunk")(q, k, v, g, beta, chunk=chunk))
     scan = jax.jit(gated_delta_rule_token_scan)
     for row in range(b):
         np.testing.assert_allclose(out[row], np.asarray(scan(q[row], k[row], v[row], g[row], beta[row])[0]),
                                    atol=1e-5)
+
+
+def test_delta_rule_gradient_calls_no_triangular_solve():
+    """A training step must not reach LAPACK's strsm on CPU: a batch-16 step could hang there with both XLA worker
+    threads waiting inside it. The gradient still matches the token recurrence's."""
+    inputs = _delta_rule_inputs(2, 40, 2, 4, 8, 6, seed=1)
+
+    def loss(fn, *args):
+        return jnp.sum(jnp.sin(fn(*args)))
+
+    grad = jax.grad(lambda *a: loss(lambda *x: dense_gated_delta_rule(*x, chunk=32), *a), argnums=(0, 1, 2, 3, 4))
+    assert "triangular_solve" not in str(jax.make_jaxpr(grad)(*inputs))
+    scan = jax.vmap(lambda *x: gated_delta_rule_token_scan(*x)[0])
+    expected = jax.grad(lambda *a: loss(scan, *a), argnums=(0, 1, 2, 3, 4))(*inputs)
+    for got, want in zip(jax.jit(grad)(*inputs), expected):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-3, atol=1e-4)
 
 
 def test_rejects_a_mask_of_another_shape():

@@ -123,7 +123,10 @@ def make_cache(cfg: ModelConfig, c: EngineConfig, sizes: CacheSizes, mesh=None,
     allocate = functools.partial(allocate_cache_buffers, layout, num_blocks=sizes.num_blocks + 1,
                                  block_size=c.block_size,
                                  num_state_rows=num_state_rows(sizes.num_live_rows, sizes.num_snapshot_rows))
-    cache.attach_buffers(sharded_buffers(allocate, mesh) if mesh is not None else allocate())
+    # committed to the device, as the params and every step's outputs are (uncommitted, the first shape that runs
+    # compiles again on its second call)
+    cache.attach_buffers(sharded_buffers(allocate, mesh) if mesh is not None
+                         else jax.device_put(allocate(), jax.devices()[0]))
     capped = sizes.max_num_snapshots is not None and sizes.num_snapshot_rows < sizes.max_num_snapshots
     (logger.warning if capped else logger.info)(sizes.describe())
     host = None

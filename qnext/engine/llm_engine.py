@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from cache.fingerprint import files_digest
+from cache.fingerprint import files_digest_memoized
 from cache.persisted_cache import save_prefix_cache
 from qnext.config import ModelConfig
 from qnext.engine.cache_setup import cache_sizes, make_cache, params_weights_digest, prefix_cache_fingerprint
@@ -38,6 +38,7 @@ from qnext.tokenizer import IncrementalDetokenizer, Tokenizer
 logger = logging.getLogger("qnext.engine")
 
 Prompt = str | dict | list
+WEIGHTS_DIGEST_MEMO = "weights_digest.json"   # in prefix_cache_dir: the checkpoint's digest, by file sizes and times
 
 
 class LLMEngine:
@@ -59,7 +60,8 @@ class LLMEngine:
         else:
             params = load_params(model, cfg, dtype)
         if config.prefix_cache_dir is not None and config.enable_prefix_caching:
-            self._weights_digest = files_digest(checkpoint_files(model))
+            self._weights_digest = files_digest_memoized(checkpoint_files(model),
+                                                         Path(config.prefix_cache_dir) / WEIGHTS_DIGEST_MEMO)
         self._start(config, cfg, params, tokenizer)
 
     @classmethod

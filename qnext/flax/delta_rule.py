@@ -7,14 +7,18 @@ initial state: per chunk of C rows, G the inclusive cumsum of g,
     U = A^-1 diag(beta) V,   W = A^-1 diag(beta exp(G)) K    (unit lower-triangular solves)
     V' = U - W S,   O = diag(exp(G)) Q S + ((Q K^T) * Gamma) V',   S <- exp(G_last) S + (diag(exp(G_last - G)) K)^T V'
 The engine's version works on state rows and stops its loop at the last live group (a while loop, which reverse
-mode cannot differentiate); this one is a `lax.scan` over the chunks of every row at once, with the triangular
-inverse as `triangular_solve`, both of which have VJPs. The Pallas kernels have none, so training uses this on GPU
+mode cannot differentiate); this one is a `lax.scan` over the chunks of every row at once, with the engine's
+triangular inverse (forward substitution over 16-row blocks, merged by matmuls: a fixed-trip loop, so it has a
+VJP). Not `triangular_solve`: on XLA:CPU that calls LAPACK's strsm, and a batch-16 training step on a 2-core host
+could hang with both XLA worker threads inside it. The Pallas kernels have no VJP, so training uses this on GPU
 too. A row's tail is padded with q = k = v = beta = g = 0, which leaves the state exact.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.gated_delta_rule import unit_lower_inverse
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 CHUNK = 64
@@ -45,8 +49,7 @@ def dense_gated_delta_rule(q, k, v, g, beta, chunk: int = CHUNK):
     eg = jnp.exp(big_g)[..., None]                                                  # [NC, B, Hv, C, 1]
     # U and W in one solve: A^-1 [diag(beta) V | diag(beta e^G) K]
     rhs = jnp.concatenate([beta[..., None] * v, beta[..., None] * eg * k], axis=-1)
-    u_w = jax.lax.linalg.triangular_solve(lower + jnp.eye(c, dtype=lower.dtype), rhs, left_side=True, lower=True,
-                                          unit_diagonal=True)
+    u_w = jnp.matmul(unit_lower_inverse(lower), rhs, precision=_HIGHEST)
     u, w = u_w[..., :v.shape[-1]], u_w[..., v.shape[-1]:]
     qk = jnp.einsum("...id,...jd->...ij", q, k, precision=_HIGHEST) * gamma
     g_last = big_g[..., -1]                                                         # [NC, B, Hv]

@@ -1,6 +1,6 @@
 """Step shapes: the fixed set of padded layouts the jitted step is compiled for, and the pick for a step.
 
-Decode-only steps use D rows for D in powers of two from 2 up to max_num_seqs. Steps with a prefill use T tokens
+Decode-only steps use D rows for D in powers of two from 1 up to max_num_seqs. Steps with a prefill use T tokens
 (powers of two from 16 up to max_num_batched_tokens, 1.5x powers of two from 48, and 1.25x / 1.75x powers of two
 from 320, so padding costs at most 1.33x, and at most 1.2x where it costs whole milliseconds of matmuls:
 docs/engine.md) with ceil(T / C) + extra prefill groups (C = min(prefill_chunk, T) rounded down to a power of
@@ -14,9 +14,9 @@ from typing import Sequence
 
 from qnext.model.step_inputs import LayoutSizes, Segment, group_bounds, required_sizes
 
-# A single decode row makes XLA turn the row scatters into dynamic updates that copy every donated cache buffer
-# (~10x slower per step): decode layouts have at least two rows.
-MIN_DECODE_ROWS = 2
+# Decode layouts start at one row: a batch-1 step's projections then run as matrix-vector products, which XLA:CPU
+# streams at the memory's rate (2 rows took the GEMM path: the small model's step ~19 -> ~14 ms; docs/bench/notes.md).
+MIN_DECODE_ROWS = 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,22 +36,24 @@ class CheckpointError(ValueError):
 def load_params(
     path: str | Path, cfg: ModelConfig, dtype: Any = "float32", cache_dir: str | Path | None = None
 ) -> dict[str, Any]:
-    """Loads the checkpoint in `path` as jax arrays on the default device.
+    """Loads the checkpoint in `path` as jax arrays committed to the default device (jitted outputs are committed:
+    uncommitted params would compile each step shape once more after an engine's first update_weights).
 
     With `cache_dir`, the converted params are stored there with orbax, keyed by the checkpoint's path, file
     sizes and mtimes and the dtype, and a later load of the same checkpoint restores them without converting.
     """
-    import jax.numpy as jnp
+    import jax
 
     dt = as_dtype(dtype)
+    device = jax.devices()[0]
     key = None
     if cache_dir is not None:
         key = converted_cache.cache_key(path, dt)
         params = converted_cache.restore_converted(cache_dir, key, cfg, dt)
         if params is not None:
-            return params
+            return jax.device_put(params, device)
     start = time.perf_counter()
-    params = convert_checkpoint(path, cfg, dt, place=jnp.asarray)
+    params = convert_checkpoint(path, cfg, dt, place=lambda a: jax.device_put(a, device))
     log.info("converted %s to %s in %.1f s", path, dt.name, time.perf_counter() - start)
     if key is not None:
         converted_cache.save_converted(cache_dir, key, params)
