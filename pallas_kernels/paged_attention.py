@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+DECODE_SPAN_BYTES = 1 << 20     # K and V a decode span gathers for all its rows (paged_attention_reference)
 
 
 def write_kv_reference(k_pages, v_pages, k, v, slot_mapping):
@@ -38,11 +39,13 @@ def paged_attention_reference(q, k_pages, v_pages, block_table, kv_len, q_pos, *
     """Online softmax over spans of `span_blocks` pages; memory O(N * span) instead of O(N * max_len), and the
     loop stops after the span holding the longest kv_len in the batch, so the cost follows the real context, not
     max_model_len. Every row pays for the whole last span and short spans cost loop steps. By default a decode span
-    (one query per group) is an eighth of the block table, from 4 pages up to 8, so its gathered K/V stays in cache;
-    a prefill span (C queries per group share each gathered page) is 16 pages. XLA:CPU, float32, Hkv=2, D=256:
-    16 decode rows at ~300 tokens of a 30-page table, 4-page spans 4.0 ms, 8-page 4.6, 30-page 6.4; at 4096 tokens
-    4-page 62 ms, 8-page 57, 16-page 81, 32-page 77. Prefill, 40 groups of 32 queries over ~250 tokens: 4-page
-    67 ms, 16-page 56; 4 groups of 64 queries at 4096 tokens: 8-page 136 ms, 16-page 117, 32-page 125, 64-page 138.
+    (one query per group) gathers about DECODE_SPAN_BYTES of K and V for all its rows (float32), so they stay in
+    cache: XLA:CPU, Hkv=2, 22-page tables, ~100-230 tokens, p10 of 60 calls, D=256 (the small bench model): 16 rows
+    1-page spans 3.1 ms, 2-page 2.7, 4-page 3.9, 8-page 4.8; 64 rows 1-page 11.8 ms, 4-page 24.6, 8-page 32; one row:
+    4 to 24 pages all 0.2-0.4 ms. D=32 (tiny): 16 rows 2 to 8 pages 0.54-0.59 ms, 22 pages 0.82; 64 rows 2-page 2.0,
+    4-page 2.4, 22-page 4.2. A prefill span (C queries per group share each gathered page) is 16 pages: 40 groups of
+    32 queries over ~250 tokens: 4-page 67 ms, 16-page 56; 4 groups of 64 queries at 4096 tokens: 8-page 136 ms,
+    16-page 117, 32-page 125, 64-page 138.
 
     q: [N, L, Hq, D]; k_pages, v_pages: [Hkv, blocks, bs, D]; block_table: [N, MB] int32; kv_len: [N];
     q_pos: [N, L]. Returns [N, L, Hq, D] float32.
@@ -51,7 +54,12 @@ def paged_attention_reference(q, k_pages, v_pages, block_table, kv_len, q_pos, *
     hkv, bs = k_pages.shape[0], k_pages.shape[2]
     group = hq // hkv
     mb = block_table.shape[1]
-    span_blocks = min(span_blocks or (max(4, min(8, mb // 8)) if length == 1 else 16), mb)
+    if span_blocks is None:
+        page_bytes = n * bs * hkv * d * 2 * 4                                         # K and V, every row
+        span_blocks = max(1, DECODE_SPAN_BYTES // page_bytes) if length == 1 else 16
+        # at least two spans: with one span over the whole table XLA:CPU copies the V pages (twice) in a 1-row step
+        span_blocks = min(span_blocks, max(1, -(-mb // 2)))
+    span_blocks = min(span_blocks, mb)
     num_spans = -(-mb // span_blocks)
     table = jnp.pad(block_table, ((0, 0), (0, num_spans * span_blocks - mb)))
     table = table.reshape(n, num_spans, span_blocks).transpose(1, 0, 2)              # [S, N, span]
