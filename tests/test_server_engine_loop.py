@@ -27,7 +27,7 @@ class FakeEngine:
         self.stats, self.cache_stats = _Stats(), _Stats()
         self.gate = threading.Event()
         self.gate.set()
-        self.fail_next_step = False
+        self.fail_at_step: int | None = None      # step number that raises instead of running
 
     def add_request(self, request_id, prompt, params):
         if not prompt["prompt_token_ids"]:
@@ -36,8 +36,8 @@ class FakeEngine:
 
     def step(self):
         self.gate.wait(10)
-        if self.fail_next_step:
-            self.fail_next_step = False
+        if self.fail_at_step == self.stats.num_steps + 1:
+            self.fail_at_step = None
             raise RuntimeError("injected")
         self.stats.num_steps += 1
         outputs = []
@@ -144,9 +144,11 @@ def test_a_step_exception_fails_the_running_requests(loop_and_engine):
     async_engine, engine = loop_and_engine
 
     async def main():
+        # the step after the request's first token raises (set before it runs: the fake engine steps in
+        # microseconds, so a flag set after the first token could come after its last)
+        engine.fail_at_step = engine.stats.num_steps + 2
         stream = await async_engine.add("r", prompt(), SamplingParams(max_tokens=1000))
         await stream.__anext__()
-        engine.fail_next_step = True
         with pytest.raises(EngineStepError, match="injected"):
             async for _ in stream:
                 pass
