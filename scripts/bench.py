@@ -10,7 +10,8 @@ Same checkpoint, dtype and prompts for both engines:
   must move (every weight once a step, each row's KV and recurrent state; qnext/bench/bandwidth.py) over the memory
   bandwidth this machine streams in the same run (the fastest of a few readers of a buffer the size of the
   weights). Each phase takes the slower of its two floors (prefill is GEMM-bound, small-batch decode is
-  bandwidth-bound); "% of floor" is of that binding floor, and "% step" of one decode step's binding floor.
+  bandwidth-bound); "% of floor" is of that binding floor, and "%GEMM" / "%BW" one decode step against each of
+  its two floors (the JSON also holds the fastest call's share of the bandwidth floor).
 - chat: multi-turn chats (turn k's prompt = history + new message), one request at a time, TTFT per turn with
   prefix caching on and off, and the cache's reuse counters.
 - host: time per engine step outside the jitted step (scheduling, cache manager, input building, sampling).

@@ -8,6 +8,7 @@ import pytest
 
 import qnext
 from qnext import SamplingParams
+from qnext.engine.stats import compilations
 from qnext.testing.tiny_tokenizer import tiny_eos_token_id
 
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=160, block_size=16,
@@ -19,42 +20,28 @@ def llm(tiny_checkpoint):
     return qnext.LLM(tiny_checkpoint("qwen3_5"), **ENGINE)
 
 
-class _Compilations:
-    def __enter__(self):
-        self.durations = []
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
-        return self
-
-    def _listen(self, event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            self.durations.append(duration)
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._listen)
-
-
 def test_warm_up_then_mixed_workload_compiles_nothing(llm):
     # the engine's first steps (this module's first test), then the same shapes on other tokens: nothing compiles
     # again (params and cache buffers start committed to the device, as every step leaves them)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     llm.generate({"prompt_token_ids": list(range(3, 23))}, params)
-    with _Compilations() as repeat:
-        llm.generate({"prompt_token_ids": list(range(30, 50))}, params)
-    assert repeat.durations == []
+    start = compilations()
+    llm.generate({"prompt_token_ids": list(range(30, 50))}, params)
+    assert compilations() == start, "the first shape compiled again on its second call"
     llm.engine.warm_up()
-    with _Compilations() as again:        # the buffers and params start committed, as every step leaves them
-        llm.engine.warm_up()
-    assert again.durations == []
+    start = compilations()
+    llm.engine.warm_up()
+    assert compilations() == start, "a second warm-up compiled"
     prompts = ["hello there", "a much longer prompt " * 6, "x", "the quick brown fox jumps over the lazy dog"]
-    with _Compilations() as workload:
-        before = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n) for n in (3, 9, 1, 17)])
-        llm.generate(prompts[:2], SamplingParams(temperature=0.7, top_p=0.9, max_tokens=5, seed=1))
-    assert workload.durations == []
+    start = compilations()
+    before = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n) for n in (3, 9, 1, 17)])
+    llm.generate(prompts[:2], SamplingParams(temperature=0.7, top_p=0.9, max_tokens=5, seed=1))
+    assert compilations() == start, "the workload compiled after warm-up"
     # the same weights as host arrays: update_weights compiles its copy for them, then the steps compile nothing
     llm.engine.update_weights(jax.tree.map(np.asarray, llm.engine.runner.params))
-    with _Compilations() as updated:
-        after = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n) for n in (3, 9, 1, 17)])
-    assert updated.durations == []
+    start = compilations()
+    after = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n) for n in (3, 9, 1, 17)])
+    assert compilations() == start, "a step compiled after update_weights"
     assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in before]
 
 
