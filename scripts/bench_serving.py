@@ -12,7 +12,14 @@ all at once), with at most --max-concurrency conversations in flight. Greedy, --
 so every run generates the same number of tokens.
 
 Reports request throughput, output tokens/s, TTFT / TPOT / end-to-end latency p50 / p90 / p99, and the share of
-prompt tokens served from the prefix cache (usage.prompt_tokens_details), as a table and as JSON (--json-out)."""
+prompt tokens served from the prefix cache (usage.prompt_tokens_details), as a table and as JSON (--json-out).
+
+--workload agent: tool-using sessions instead of chats (qnext/bench/agent_workload.py): a ~4k-token system prompt
+and 12 tool schemas shared by every session, 6 user turns of 2 forced tool calls each, reasoning on (bounded by
+thinking_token_budget) and dropped by the template at each new user turn. Adds how many forced calls validated
+against their schema and, per reason, which prompt tokens were computed rather than served from the cache.
+
+    python scripts/bench_serving.py --workload agent --json-out bench_out/serving-agent.json"""
 from __future__ import annotations
 
 import argparse
@@ -31,6 +38,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+CHAT_SERVER_ARGS = "--max-num-seqs 8 --max-num-batched-tokens 64 --max-model-len 512"
+AGENT_SERVER_ARGS = "--max-num-seqs 8 --max-num-batched-tokens 512 --max-model-len 8192"
 WORDS = ("the sea ship light keeper storm night wind wave harbour rock coast bell fog boat sailor map star north "
          "south tide rope lamp tower island bird rain cloud morning evening story old new small great quiet").split()
 
@@ -172,9 +181,162 @@ def table(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# ---- the agent workload ----------------------------------------------------------------------------------------
+@dataclass
+class AgentCall:
+    """One streamed forced-tool-call request, as the bench saw it."""
+    result: RequestResult
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list = None
+    prompt_ids: list = None
+    output_ids: list = None
+
+
+async def agent_call(client: httpx.AsyncClient, body: dict, timeout: float) -> AgentCall:
+    start = time.perf_counter()
+    call = AgentCall(RequestResult(ok=False), tool_calls=[], prompt_ids=[], output_ids=[])
+    calls: dict[int, dict] = {}
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                call.result.error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
+                return call
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    call.result.error = chunk["error"]["message"]
+                    return call
+                call.prompt_ids = chunk.get("prompt_token_ids") or call.prompt_ids
+                for choice in chunk.get("choices", []):
+                    delta = choice.get("delta", {})
+                    call.output_ids.extend(choice.get("token_ids") or [])
+                    got = delta.get("reasoning_content") or delta.get("content") or delta.get("tool_calls")
+                    if got and not call.result.ttft:
+                        call.result.ttft = time.perf_counter() - start
+                    call.reasoning += delta.get("reasoning_content") or ""
+                    call.content += delta.get("content") or ""
+                    for tc in delta.get("tool_calls") or []:
+                        slot = calls.setdefault(tc["index"], {"id": None, "type": "function",
+                                                              "function": {"name": "", "arguments": ""}})
+                        slot["id"] = tc.get("id") or slot["id"]
+                        fn = tc.get("function") or {}
+                        slot["function"]["name"] += fn.get("name") or ""
+                        slot["function"]["arguments"] += fn.get("arguments") or ""
+                if chunk.get("usage"):
+                    u = chunk["usage"]
+                    details = u.get("prompt_tokens_details") or {}
+                    call.result.output_tokens, call.result.prompt_tokens = u["completion_tokens"], u["prompt_tokens"]
+                    call.result.cached_tokens = details.get("cached_tokens", 0)
+                    call.result.recomputed_tokens = details.get("recomputed_tokens", 0)
+    except (httpx.HTTPError, asyncio.TimeoutError) as e:
+        call.result.error = repr(e)
+        return call
+    call.tool_calls = [calls[i] for i in sorted(calls)]
+    call.result.e2e = time.perf_counter() - start
+    call.result.ttft = call.result.ttft or call.result.e2e
+    call.result.ok = call.result.output_tokens > 0
+    if call.result.ok and not call.tool_calls:
+        call.result.ok, call.result.error = False, "a forced tool call came back without tool_calls"
+    return call
+
+
+def valid_call(call: dict, tools_by_name: dict) -> bool:
+    import jsonschema
+
+    tool = tools_by_name.get(call["function"]["name"])
+    if tool is None:
+        return False
+    try:
+        jsonschema.validate(json.loads(call["function"]["arguments"]), tool["function"]["parameters"])
+        return True
+    except (ValueError, TypeError, jsonschema.ValidationError):
+        return False
+
+
+async def run_agent_load(base_url: str, model: str, args, seed: int) -> dict:
+    from qnext.bench.agent_workload import AgentWorkload, SentRequest, explain_recompute, tool_result_message
+    from qnext.bench.agent_workload import tool_schemas
+
+    w = AgentWorkload(sessions=args.sessions, turns=args.agent_turns, calls_per_turn=args.calls_per_turn,
+                      system_tokens=args.system_tokens, num_tools=args.tools, max_tokens=args.max_tokens,
+                      seed=seed)
+    tools = tool_schemas(w.num_tools)
+    by_name = {t["function"]["name"]: t for t in tools}
+    system = w.system_prompt(WORDS)
+    sent: list[SentRequest] = []
+    finished_before: list[list[int]] = []
+    finished: list[int] = []
+    results: list[RequestResult] = []
+    num_valid = 0
+
+    async def session(k: int, client: httpx.AsyncClient) -> None:
+        nonlocal num_valid
+        messages = [{"role": "system", "content": system}]
+        for turn in range(w.turns):
+            messages.append({"role": "user", "content": w.user_message(k, turn, WORDS)})
+            for c in range(w.calls_per_turn):
+                index = len(sent)
+                sent.append(SentRequest([], [], 0, 0))
+                finished_before.append(list(finished))
+                body = w.request_body(model, messages, tools, seed=seed * 100_000 + index)
+                call = await agent_call(client, body, args.request_timeout)
+                results.append(call.result)
+                sent[index] = SentRequest(call.prompt_ids, call.output_ids, call.result.cached_tokens,
+                                          call.result.recomputed_tokens)
+                finished.append(index)
+                if not call.result.ok:
+                    return
+                num_valid += sum(valid_call(tc, by_name) for tc in call.tool_calls)
+                messages.append({"role": "assistant", "content": call.content, "tool_calls": call.tool_calls,
+                                 **({"reasoning_content": call.reasoning} if call.reasoning else {})})
+                messages.extend(tool_result_message(tc, turn) for tc in call.tool_calls)
+
+    limits = httpx.Limits(max_connections=max(args.max_concurrency, 1) + 4)
+    async with httpx.AsyncClient(base_url=base_url, limits=limits) as client:
+        start = time.perf_counter()
+        semaphore = asyncio.Semaphore(args.max_concurrency)
+
+        async def one(k):
+            async with semaphore:
+                await session(k, client)
+
+        tasks = [asyncio.create_task(one(k)) for k in range(w.sessions)]
+        _, pending = await asyncio.wait(tasks, timeout=args.max_duration)
+        for t in pending:
+            t.cancel()
+        duration = time.perf_counter() - start
+    done = [i for i in finished if sent[i].prompt_ids]
+    reasons = explain_recompute([sent[i] for i in done], [[j for j in finished_before[i] if j in set(done)]
+                                                          for i in done], args.block_size)
+    return {"results": results, "duration": duration, "tool_calls_valid": num_valid, "recompute": reasons}
+
+
+def agent_table(summaries: list[dict]) -> str:
+    head = (f"{'run':<16}{'reqs':>6}{'fail':>5}{'valid calls':>12}{'prompt tok':>11}{'cached':>8}"
+            f"{'TTFT p50/p90 ms':>18}{'new':>8}{'straddle':>9}{'no state':>9}{'other':>7}")
+    lines = [head, "-" * len(head)]
+    for s in summaries:
+        r = s["recompute"]
+        lines.append(f"{s['run']:<16}{s['requests']:>6}{s['failed']:>5}{s['tool_calls_valid']:>12}"
+                     f"{s['prompt_tokens']:>11}{s['cache_hit_rate']:>8.1%}"
+                     f"{s['ttft_p50_ms']:>10.0f}/{s['ttft_p90_ms']:<7.0f}{r['new']:>8}{r['straddle']:>9}"
+                     f"{r['missing_state']:>9}{r['other']:>7}")
+    return "\n".join(lines)
+
+
 async def bench_one(base_url: str, label: str, args) -> dict:
     async with httpx.AsyncClient(base_url=base_url, timeout=30) as c:
         model = (await c.get("/v1/models")).json()["data"][0]["id"]
+    if args.workload == "agent":
+        warm = argparse.Namespace(**{**vars(args), "sessions": 1, "agent_turns": 2})
+        await run_agent_load(base_url, model, warm, seed=args.seed + 1)        # compile paths, not timed
+        run = await run_agent_load(base_url, model, args, seed=args.seed)
+        summary = summarize(label, run["results"], run["duration"])
+        summary.update(tool_calls_valid=run["tool_calls_valid"], recompute=run["recompute"])
+        return summary
     warm = argparse.Namespace(**{**vars(args), "conversations": 2, "seed": args.seed + 1})
     await run_load(base_url, model, make_conversations(warm), warm)       # compile sampler paths, not timed
     results, duration = await run_load(base_url, model, make_conversations(args), args)
@@ -185,8 +347,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", help="bench this running server once instead of starting two")
     p.add_argument("--model", help="checkpoint for the servers this script starts (default: the tiny demo)")
-    p.add_argument("--server-args", default="--max-num-seqs 8 --max-num-batched-tokens 64 --max-model-len 512",
-                   help="extra `qnext serve` flags for the servers this script starts")
+    p.add_argument("--server-args", help="extra `qnext serve` flags for the servers this script starts (default: "
+                   f"chat {CHAT_SERVER_ARGS!r}, agent {AGENT_SERVER_ARGS!r})")
+    p.add_argument("--block-size", type=int, default=16, help="the server's block size (agent: recompute reasons)")
     p.add_argument("--conversations", type=int, default=24)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--system-prompts", type=int, default=2)
@@ -199,7 +362,21 @@ def parse_args(argv=None):
     p.add_argument("--max-duration", type=float, default=600.0, help="seconds a run may take; the rest is cut")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", help="write the summaries here")
+    p.add_argument("--workload", choices=("chat", "agent"), default="chat")
+    p.add_argument("--sessions", type=int, default=6, help="agent: sessions")
+    p.add_argument("--agent-turns", type=int, default=6, help="agent: user turns per session")
+    p.add_argument("--calls-per-turn", type=int, default=2, help="agent: forced tool calls per user turn")
+    p.add_argument("--system-tokens", type=int, default=4000, help="agent: about this many system prompt tokens")
+    p.add_argument("--tools", type=int, default=12, help="agent: tool schemas in every request")
     return p.parse_args(argv)
+
+
+def agent_checkpoint() -> Path:
+    """The tiny Qwen3.5 checkpoint (random weights, the demo's tokenizer and template) with a 16k context."""
+    from qnext.testing.tiny_checkpoint import write_tiny_checkpoint
+
+    path = Path(tempfile.mkdtemp(prefix="qnext-bench-agent-")) / "ckpt"     # fresh: the template may change
+    return write_tiny_checkpoint(path, "qwen3_5", seed=0, max_position_embeddings=16384)
 
 
 def main(argv=None) -> int:
@@ -207,14 +384,18 @@ def main(argv=None) -> int:
     from qnext.server.launch import ServerProcess
 
     summaries = []
+    if args.server_args is None:
+        args.server_args = AGENT_SERVER_ARGS if args.workload == "agent" else CHAT_SERVER_ARGS
+    model = args.model
+    if model is None and args.workload == "agent":         # the demo's 512-token context is too short
+        model = str(agent_checkpoint())
     if args.base_url:
         summaries.append(asyncio.run(bench_one(args.base_url, "server", args)))
     else:
         for label, flag in (("prefix-cache on", "--enable-prefix-caching"),
                             ("prefix-cache off", "--no-enable-prefix-caching")):
-            server_args = ([args.model] if args.model else []) + shlex.split(args.server_args) + [flag,
-                                                                                                 "--log-level",
-                                                                                                 "warning"]
+            server_args = ([model] if model else []) + shlex.split(args.server_args) + [
+                flag, "--block-size", str(args.block_size), "--log-level", "warning"]
             log = Path(tempfile.gettempdir()) / f"qnext-bench-serving-{flag.strip('-')}.log"
             server = ServerProcess(server_args, log_path=log)
             try:
@@ -223,7 +404,7 @@ def main(argv=None) -> int:
                 summaries.append(asyncio.run(bench_one(server.base_url, label, args)))
             finally:
                 server.stop()
-    print(table(summaries))
+    print(agent_table(summaries) if args.workload == "agent" else table(summaries))
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps({"args": vars(args), "runs": summaries}, indent=2, default=str))
