@@ -56,10 +56,15 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def fill_bitmask(rows: Sequence[tuple[int, StructuredState]], num_rows: int, vocab_size: int) -> np.ndarray:
+def fill_bitmask(rows: Sequence[tuple[int, StructuredState]], num_rows: int, vocab_size: int,
+                 eos_token_ids: Sequence[int] = ()) -> np.ndarray:
     """[num_rows, ceil(V / 32)] int32 bitmask: bit t of row i (word t // 32, bit t % 32) set = token t allowed.
     Rows not listed allow everything (all ones); the listed rows' states must need a mask. Computed by
-    llguidance's thread pool when several rows need one."""
+    llguidance's thread pool when several rows need one.
+
+    The engine's eos ids are cleared in rows whose grammar does not accept the output so far: the engine stops a
+    request at any of them, and a checkpoint may list an ordinary text token among them (llguidance would allow
+    it as text), so a constrained row samples one only where stopping leaves a full match."""
     global _executor
     bitmask = np.full((num_rows, bitmask_words(vocab_size)), -1, np.int32)
     if len(rows) == 1:
@@ -69,4 +74,10 @@ def fill_bitmask(rows: Sequence[tuple[int, StructuredState]], num_rows: int, voc
         if _executor is None:
             _executor = llguidance.LLExecutor()
         llguidance.numpy.fill_next_token_bitmask_par(_executor, [(s.matcher, i) for i, s in rows], bitmask)
+    eos = np.asarray([t for t in eos_token_ids if 0 <= t < vocab_size], np.int64)
+    if eos.size:
+        clear = ~(np.int64(1) << (eos & 31)).astype(np.uint32).view(np.int32)
+        for i, state in rows:
+            if not state.matcher.is_accepting():
+                np.bitwise_and.at(bitmask[i], eos >> 5, clear)
     return bitmask
