@@ -23,12 +23,15 @@ def build_async_engine(engine, *, max_waiting_requests: int, model_name: str) ->
     return async_engine, metrics
 
 
-def build_app(engine, *, model_name: str, max_waiting_requests: int = 256) -> FastAPI:
+def build_app(engine, *, model_name: str, max_waiting_requests: int = 256, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """An app serving `engine` (an LLMEngine, or anything with its methods). Starting the app starts the engine
-    thread; stopping it aborts what is left and joins the thread."""
+    thread; stopping it aborts what is left and joins the thread. tool_call_parser / reasoning_parser: parser
+    names (None: chosen from the chat template; "none": off)."""
     async_engine, metrics = build_async_engine(engine, max_waiting_requests=max_waiting_requests,
                                                model_name=model_name)
-    serving = OpenAIServing(async_engine, model_name)
+    serving = OpenAIServing(async_engine, model_name, tool_call_parser=tool_call_parser,
+                            reasoning_parser=reasoning_parser)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
