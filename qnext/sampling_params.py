@@ -82,6 +82,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
+    # Output tokens the model may spend inside its reasoning when the prompt leaves it inside `<think>`; then
+    # `</think>` is forced (qnext/structured/thinking_budget.py). None: no cap.
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -136,5 +139,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         check(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
               "None or a non-negative integer")
+        check(self.thinking_token_budget is None or (is_int(self.thinking_token_budget)
+                                                     and self.thinking_token_budget >= 0),
+              "thinking_token_budget", "None or a non-negative integer")
         check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
               "structured_outputs", "None or a StructuredOutputsParams")

@@ -37,6 +37,7 @@ from qnext.outputs import RequestOutput
 from qnext.sampling_params import SamplingParams
 from qnext.structured import GrammarCompiler, StructuredState
 from qnext.structured import validate as validate_structured
+from qnext.structured.thinking_budget import THINK_END, THINK_START, ThinkingBudget, prompt_inside_reasoning
 from qnext.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger("qnext.engine")
@@ -171,13 +172,26 @@ class LLMEngine:
         if params.structured_outputs is not None:
             matcher = validate_structured(params, self.grammar_compiler())
             structured = StructuredState(matcher, params.structured_outputs.start_after)
+        thinking = self._thinking_budget(token_ids, params)
         detokenizer = IncrementalDetokenizer(self.tokenizer, params) if self.tokenizer is not None else None
         seq = Sequence(request_id, [int(t) for t in token_ids], params, self._request_counter, prompt=text,
-                       detokenizer=detokenizer, structured=structured)
+                       detokenizer=detokenizer, structured=structured, thinking=thinking)
         self._request_counter += 1
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         self.stats.num_prompt_tokens += len(token_ids)
+
+    def _thinking_budget(self, token_ids: list[int], params: SamplingParams) -> ThinkingBudget | None:
+        if params.thinking_token_budget is None:
+            return None
+        ids = [self.tokenizer.token_to_id(t) if self.tokenizer is not None else None
+               for t in (THINK_START, THINK_END)]
+        if None in ids:
+            raise ValueError(f"thinking_token_budget needs the tokens {THINK_START} and {THINK_END}, which this "
+                             "checkpoint's tokenizer does not have")
+        start_id, end_id = ids
+        return ThinkingBudget(params.thinking_token_budget, [end_id],
+                              prompt_inside_reasoning(token_ids, start_id, end_id))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         seq = self.requests.get(request_id)

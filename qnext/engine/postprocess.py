@@ -65,6 +65,8 @@ def append_sampled(seq: Sequence, token: SampledToken, eos_token_ids: Seq[int], 
     p = seq.params
     if seq.structured is not None and not seq.structured.advance(token.token_id):
         return DEAD_END, seq.structured.error
+    if seq.thinking is not None:
+        seq.thinking.advance(token.token_id)
     seq.cumulative_logprob += token.logprob
     if p.logprobs is not None:
         detok = seq.detokenizer

@@ -21,7 +21,8 @@ from qnext.model.forward import forward
 from qnext.model.step_inputs import Segment, build_step_inputs
 from qnext.model.tensor_parallel import local_config, shard_step
 from qnext.sampling_params import SamplingParams
-from qnext.structured.matcher import fill_bitmask
+from qnext.structured.matcher import bitmask_words, fill_bitmask
+from qnext.structured.thinking_budget import force_rows
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,15 +84,23 @@ class ModelRunner:
         return result
 
     def _token_bitmask(self, plan: StepPlan) -> np.ndarray | None:
-        """The structured-output bitmask of the step's sampling rows (row j: the j-th item that samples), or None
-        when no row is constrained now."""
+        """The token bitmask of the step's sampling rows (row j: the j-th item that samples): a grammar's mask for
+        structured rows, one allowed token for rows whose thinking budget forces `</think>`; None when no row is
+        constrained now."""
         sampling = [it for it in plan.items if it.samples]
         rows = [(j, it.seq.structured) for j, it in enumerate(sampling)
                 if it.seq.structured is not None and it.seq.structured.needs_mask]
-        if not rows:
+        forced = [(j, it.seq.thinking.forced_token) for j, it in enumerate(sampling)
+                  if it.seq.thinking is not None and it.seq.thinking.forced_token is not None]
+        if not rows and not forced:
             return None
         t0 = time.perf_counter()
-        bitmask = fill_bitmask(rows, plan.bucket.sizes.num_logits, self.cfg.vocab_size, self.cfg.eos_token_ids)
+        num_rows = plan.bucket.sizes.num_logits
+        if rows:
+            bitmask = fill_bitmask(rows, num_rows, self.cfg.vocab_size, self.cfg.eos_token_ids)
+        else:
+            bitmask = np.full((num_rows, bitmask_words(self.cfg.vocab_size)), -1, np.int32)
+        force_rows(bitmask, forced)
         self.stats.structured_mask_seconds += time.perf_counter() - t0
         self.stats.num_structured_masks += len(rows)
         return bitmask

@@ -12,6 +12,7 @@ import time
 from qnext.outputs import SampleLogprobs
 from qnext.sampling_params import SamplingParams
 from qnext.structured.matcher import StructuredState
+from qnext.structured.thinking_budget import ThinkingBudget
 from qnext.tokenizer import IncrementalDetokenizer
 
 
@@ -43,6 +44,7 @@ class Sequence:
     first_token_time: float | None = None
     num_preemptions: int = 0
     structured: StructuredState | None = None   # the grammar's matcher when params.structured_outputs is set
+    thinking: ThinkingBudget | None = None      # when params.thinking_token_budget is set
 
     @property
     def token_ids(self) -> list[int]:

@@ -48,6 +48,7 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
+    thinking_token_budget: int | None = None
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
@@ -87,6 +88,7 @@ class _SamplingRequest(BaseModel):
                 logprobs=self._num_logprobs(),
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                thinking_token_budget=self.thinking_token_budget,
             )
         except ValueError as e:   # SamplingParams says "<field> must be ..."
             field = str(e).split(" ", 1)[0]

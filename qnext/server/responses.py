@@ -121,10 +121,13 @@ def completion_chunk(env: Envelope, text: str, logprobs: dict | None, finish_rea
 
 
 def chat_chunk(env: Envelope, delta: dict, logprobs: dict | None, finish_reason: str | None,
-               with_usage_field: bool, token_ids: list[int] | None = None) -> dict:
+               with_usage_field: bool, token_ids: list[int] | None = None,
+               prompt_token_ids: list[int] | None = None) -> dict:
+    """prompt_token_ids: on the first chunk of a request that asked for return_token_ids (as vLLM sends them)."""
     choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
               **({"token_ids": token_ids} if token_ids is not None else {})}
-    return env.body("chat.completion.chunk", [choice], **({"usage": None} if with_usage_field else {}))
+    return env.body("chat.completion.chunk", [choice], **({"usage": None} if with_usage_field else {}),
+                    **({"prompt_token_ids": prompt_token_ids} if prompt_token_ids is not None else {}))
 
 
 def chat_deltas(events: list[Event]) -> list[dict]:

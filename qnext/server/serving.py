@@ -69,7 +69,7 @@ class OpenAIServing:
         parser = chat.new_output_parser()
         k = chat.params.logprobs
         if req.stream:
-            return event_stream(self._chat_events(stream, env, k, req, parser), stream)
+            return event_stream(self._chat_events(stream, env, k, req, parser, chat.prompt_token_ids), stream)
         out, token_ids, logprobs = await collect(stream, request)
         if out is None:
             return Response(status_code=499)
@@ -133,9 +133,11 @@ class OpenAIServing:
                 yield R.sse(R.usage_chunk(env, "text_completion", d.output))
 
     async def _chat_events(self, stream: RequestStream, env: R.Envelope, k: int | None,
-                           req: ChatCompletionRequest, parser: OutputParser) -> AsyncIterator[str]:
+                           req: ChatCompletionRequest, parser: OutputParser,
+                           prompt_token_ids: list[int]) -> AsyncIterator[str]:
         yield R.sse(R.chat_chunk(env, {"role": "assistant", "content": ""}, None, None, req.include_usage,
-                                 [] if req.return_token_ids else None))
+                                 [] if req.return_token_ids else None,
+                                 prompt_token_ids if req.return_token_ids else None))
         async for d, events in parsed_deltas(stream, parser):
             lp = R.chat_logprobs(d.token_ids, d.logprobs, k) if k is not None and d.logprobs else None
             finish = finish_reason(d.output, parser.num_tool_calls) if d.output.finished else None
