@@ -1,0 +1,124 @@
+"""Mosaic GPU (Hopper+) ragged paged attention, decode and chunked prefill; math and masking as in
+paged_attention.py.
+
+Kernel design:
+- Rows. Outside the kernel the queries of group n and kv head h become one row block [L * G, D] (row = l * G + g,
+  G = Hq / Hkv, no power-of-two padding), padded to a multiple of 64 rows (the wgmma M tile). Each row carries its
+  query position (padding: -1). Grid (N, Hkv, row blocks of 64): one warpgroup per block.
+- Paging. The block table, kv_len and each block's visible end (min(kv_len, max q_pos + 1), computed outside)
+  are GMEM inputs read as scalars. A loop step covers BK = max(64, block_size) keys: BK / block_size pages are
+  TMA-copied (head-major pages: k[h, page] is one contiguous [block_size, D] box) into row slices of one tiled,
+  128-byte-swizzled SMEM tile per K and V, all on one barrier.
+- Tensor cores. S = Q K^T and acc += P V are wgmma with float32 accumulators (Q, K, V in SMEM; P from registers
+  in the page dtype). Online softmax in float32 registers (WGMMA layout; row max / sum are row reductions).
+  Masked scores are dropped with `where` after the exp, so padding rows (q_pos < 0) keep l = 0 and return 0.
+- No KV splits yet: a decode batch runs N * Hkv blocks (fine for throughput-sized batches, under-fills an H200
+  at batch 1; the Triton kernel splits the page list there).
+Shapes: pages bf16 or f16 (tf32 wgmma cannot take V's layout), D % 64 == 0 and D <= 256, block_size % 8 == 0 and
+block_size <= 256. The query dtype is cast to the page dtype.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import mosaic_common as mc
+
+F32 = jnp.float32
+BLOCK_M = 64
+_NEG = -1e30
+
+
+def _check(cond, message):
+    if not cond:
+        raise ValueError(message)
+
+
+def _body(bt_ref, kv_len_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, o_ref,
+          q_smem, pos_smem, k_smem, v_smem, o_smem, q_bar, kv_bar, *, sm_scale, block_size, block_kv, lay):
+    n, h, r = jax.lax.axis_index("n"), jax.lax.axis_index("h"), jax.lax.axis_index("r")
+    rows = pl.ds(r * BLOCK_M, BLOCK_M)
+    pages_per_step = block_kv // block_size
+    max_blocks, num_pages = bt_ref.shape[1], k_ref.shape[1]
+    plgpu.copy_gmem_to_smem(q_ref.at[n, h, rows], q_smem, q_bar)
+    plgpu.copy_gmem_to_smem(pos_ref.at[n, rows], pos_smem, q_bar)
+    plgpu.barrier_wait(q_bar)
+    kv_len, end = kv_len_ref[n], end_ref[n, r]
+    pos = mc.bcast_rows(lay.rows(pos_smem[...]), (BLOCK_M, block_kv))
+    d = q_smem.shape[1]
+
+    def step(b, carry):
+        m, l, acc = carry
+        for j in range(pages_per_step):
+            page = bt_ref[n, jnp.minimum(b * pages_per_step + j, max_blocks - 1)]
+            page = jnp.clip(page, 0, num_pages - 1)
+            keys = pl.ds(j * block_size, block_size)
+            plgpu.copy_gmem_to_smem(k_ref.at[h, page], k_smem.at[keys], kv_bar)
+            plgpu.copy_gmem_to_smem(v_ref.at[h, page], v_smem.at[keys], kv_bar)
+        plgpu.barrier_wait(kv_bar)
+
+        s = mc.matmul(q_smem, k_smem, lay=lay, transpose_b=True) * sm_scale                # Q K^T [64, BK]
+        key = b * block_kv + lay.iota((BLOCK_M, block_kv), 1)
+        visible = (key < kv_len) & (key <= pos)
+        s = jnp.where(visible, s, _NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.where(visible, jnp.exp(s - mc.bcast_rows(m_new, s.shape)), 0.0)
+        corr = jnp.exp(m - m_new)
+        l = l * corr + jnp.sum(p, axis=1)
+        # P V into a fresh (zeroed) accumulator, added in registers (run_state with ACC.init(acc) would accumulate
+        # in place, but the interpreter has no run_state).
+        pv = mc.matmul(p.astype(v_smem.dtype), v_smem, lay=lay)
+        return m_new, l, acc * mc.bcast_rows(corr, acc.shape) + pv
+
+    init = (lay.rows(jnp.full((BLOCK_M,), _NEG, F32)), lay.rows(jnp.full((BLOCK_M,), 0.0, F32)),
+            lay.tile(jnp.full((BLOCK_M, d), 0.0, F32)))
+    _, l, acc = jax.lax.fori_loop(0, (end + block_kv - 1) // block_kv, step, init)
+    l_full = mc.bcast_rows(l, acc.shape)
+    o_smem[...] = jnp.where(l_full > 0, acc / jnp.where(l_full > 0, l_full, 1.0), 0.0)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[n, h, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret"))
+def paged_attention(q, k_pages, v_pages, block_table, kv_len, q_pos, *, sm_scale, interpret=False):
+    """q: [N, L, Hq, D]; pages: [Hkv, blocks, bs, D]; block_table: [N, MB]; kv_len: [N]; q_pos: [N, L].
+    Returns [N, L, Hq, D] float32."""
+    n, length, hq, d = q.shape
+    hkv, _, block_size, _ = k_pages.shape
+    dtype = k_pages.dtype
+    _check(dtype in (jnp.bfloat16, jnp.float16),
+           f"paged_attention Mosaic GPU kernel: pages must be bfloat16 or float16, got {dtype}")
+    _check(d % 64 == 0 and d <= 256, f"paged_attention Mosaic GPU kernel: head_dim must be a multiple of 64 and "
+                                     f"<= 256, got {d}")
+    _check(block_size % 8 == 0 and block_size <= 256 and (64 % block_size == 0 or block_size % 64 == 0),
+           f"paged_attention Mosaic GPU kernel: block_size must divide 64 or be a multiple of 64 (<= 256), got "
+           f"{block_size}")
+    group = hq // hkv
+    num_rows = length * group
+    rows_p = -(-num_rows // BLOCK_M) * BLOCK_M
+    row_blocks = rows_p // BLOCK_M
+    # [N, L, Hkv, G, D] -> [N, Hkv, L * G (+pad), D]
+    qr = q.reshape(n, length, hkv, group, d).transpose(0, 2, 1, 3, 4).reshape(n, hkv, num_rows, d)
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows_p - num_rows), (0, 0))).astype(dtype)
+    pos = jnp.pad(jnp.repeat(q_pos.astype(jnp.int32), group, axis=1), ((0, 0), (0, rows_p - num_rows)),
+                  constant_values=-1)
+    kv_len = kv_len.astype(jnp.int32)
+    end = jnp.minimum(kv_len[:, None], jnp.max(pos.reshape(n, row_blocks, BLOCK_M), axis=2) + 1)   # [N, blocks]
+    block_kv = max(64, block_size)
+    body = functools.partial(_body, sm_scale=float(sm_scale), block_size=block_size, block_kv=block_kv,
+                             lay=mc.Layouts(interpret))
+    pages_per_step = block_kv // block_size
+    scratch = (mc.smem_tile((BLOCK_M, d), dtype), plgpu.SMEM((BLOCK_M,), jnp.int32),
+               mc.smem_tile((block_kv, d), dtype), mc.smem_tile((block_kv, d), dtype), mc.smem_tile((BLOCK_M, d), F32),
+               plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2 * pages_per_step))
+    operands = (block_table.astype(jnp.int32), kv_len, end.astype(jnp.int32), pos, qr, k_pages, v_pages)
+    _, (out,) = mc.launch(body, operands, (jax.ShapeDtypeStruct((n, hkv, rows_p, d), F32),),
+                          grid=(n, hkv, row_blocks), grid_names=("n", "h", "r"), scratch=scratch,
+                          interpret=interpret, name="paged_attention_mosaic")
+    out = out[:, :, :num_rows].reshape(n, hkv, length, group, d)
+    return out.transpose(0, 2, 1, 3, 4).reshape(n, length, hq, d)
