@@ -12,8 +12,9 @@ Kernel design:
 - Tensor cores. S = Q K^T and acc += P V are wgmma with float32 accumulators (Q, K, V in SMEM; P from registers
   in the page dtype). Online softmax in float32 registers (WGMMA layout; row max / sum are row reductions).
   Masked scores are dropped with `where` after the exp, so padding rows (q_pos < 0) keep l = 0 and return 0.
-- No KV splits yet: a decode batch runs N * Hkv blocks (fine for throughput-sized batches, under-fills an H200
-  at batch 1; the Triton kernel splits the page list there).
+- KV splits (flash-decoding): when N * Hkv * row blocks is below 256 blocks (decode batches), the key steps are
+  split over a 4th grid axis so the grid still fills the GPU; each split writes its unnormalised (acc, m, l) and
+  XLA merges them by rescaling to the common max (also with one split: a small [rows, D] pass).
 Shapes: pages bf16 or f16 (tf32 wgmma cannot take V's layout), D % 64 == 0 and D <= 256, block_size % 8 == 0 and
 block_size <= 256. The query dtype is cast to the page dtype.
 """
@@ -33,14 +34,22 @@ BLOCK_M = 64
 _NEG = -1e30
 
 
+def _num_splits(blocks, steps):
+    """(splits, key steps per split) so that a small batch (decode) still fills the GPU: >= 256 blocks."""
+    splits = min(max(1, -(-256 // blocks)), max(steps, 1))
+    per_split = -(-steps // splits)
+    return -(-steps // per_split), per_split
+
+
 def _check(cond, message):
     if not cond:
         raise ValueError(message)
 
 
-def _body(bt_ref, kv_len_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, o_ref,
-          q_smem, pos_smem, k_smem, v_smem, o_smem, q_bar, kv_bar, *, sm_scale, block_size, block_kv, lay):
-    n, h, r = jax.lax.axis_index("n"), jax.lax.axis_index("h"), jax.lax.axis_index("r")
+def _body(bt_ref, kv_len_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
+          q_smem, pos_smem, k_smem, v_smem, acc_smem, m_smem, l_smem, q_bar, kv_bar, *, sm_scale, block_size,
+          block_kv, steps_per_split, lay):
+    n, h, r, split = (jax.lax.axis_index(a) for a in ("n", "h", "r", "s"))
     rows = pl.ds(r * BLOCK_M, BLOCK_M)
     pages_per_step = block_kv // block_size
     max_blocks, num_pages = bt_ref.shape[1], k_ref.shape[1]
@@ -76,11 +85,16 @@ def _body(bt_ref, kv_len_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, o_ref,
 
     init = (lay.rows(jnp.full((BLOCK_M,), _NEG, F32)), lay.rows(jnp.full((BLOCK_M,), 0.0, F32)),
             lay.tile(jnp.full((BLOCK_M, d), 0.0, F32)))
-    _, l, acc = jax.lax.fori_loop(0, (end + block_kv - 1) // block_kv, step, init)
-    l_full = mc.bcast_rows(l, acc.shape)
-    o_smem[...] = jnp.where(l_full > 0, acc / jnp.where(l_full > 0, l_full, 1.0), 0.0)
+    first = split * steps_per_split
+    last = jnp.minimum(first + steps_per_split, (end + block_kv - 1) // block_kv)
+    m, l, acc = jax.lax.fori_loop(first, jnp.maximum(first, last), step, init)
+    acc_smem[...] = acc
+    m_smem[...] = m
+    l_smem[...] = l
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[n, h, rows])
+    plgpu.copy_smem_to_gmem(acc_smem, acc_ref.at[n, h, split, rows])
+    plgpu.copy_smem_to_gmem(m_smem, m_ref.at[n, h, split, rows])
+    plgpu.copy_smem_to_gmem(l_smem, l_ref.at[n, h, split, rows])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -110,15 +124,24 @@ def paged_attention(q, k_pages, v_pages, block_table, kv_len, q_pos, *, sm_scale
     kv_len = kv_len.astype(jnp.int32)
     end = jnp.minimum(kv_len[:, None], jnp.max(pos.reshape(n, row_blocks, BLOCK_M), axis=2) + 1)   # [N, blocks]
     block_kv = max(64, block_size)
+    splits, steps_per_split = _num_splits(n * hkv * row_blocks, -(-block_table.shape[1] * block_size // block_kv))
     body = functools.partial(_body, sm_scale=float(sm_scale), block_size=block_size, block_kv=block_kv,
-                             lay=mc.Layouts(interpret))
+                             steps_per_split=steps_per_split, lay=mc.Layouts(interpret))
     pages_per_step = block_kv // block_size
     scratch = (mc.smem_tile((BLOCK_M, d), dtype), plgpu.SMEM((BLOCK_M,), jnp.int32),
                mc.smem_tile((block_kv, d), dtype), mc.smem_tile((block_kv, d), dtype), mc.smem_tile((BLOCK_M, d), F32),
+               plgpu.SMEM((BLOCK_M,), F32), plgpu.SMEM((BLOCK_M,), F32),
                plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2 * pages_per_step))
     operands = (block_table.astype(jnp.int32), kv_len, end.astype(jnp.int32), pos, qr, k_pages, v_pages)
-    _, (out,) = mc.launch(body, operands, (jax.ShapeDtypeStruct((n, hkv, rows_p, d), F32),),
-                          grid=(n, hkv, row_blocks), grid_names=("n", "h", "r"), scratch=scratch,
-                          interpret=interpret, name="paged_attention_mosaic")
+    outputs = (jax.ShapeDtypeStruct((n, hkv, splits, rows_p, d), F32),
+               jax.ShapeDtypeStruct((n, hkv, splits, rows_p), F32), jax.ShapeDtypeStruct((n, hkv, splits, rows_p), F32))
+    _, (acc, m, l) = mc.launch(body, operands, outputs, grid=(n, hkv, row_blocks, splits),
+                               grid_names=("n", "h", "r", "s"), scratch=scratch, interpret=interpret,
+                               name="paged_attention_mosaic")
+    # Merge the KV splits: rescale each split's sums to the common max.
+    scale = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))                         # [N, Hkv, S, rows]
+    l = jnp.sum(scale * l, axis=2)
+    acc = jnp.sum(scale[..., None] * acc, axis=2)
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     out = out[:, :, :num_rows].reshape(n, hkv, length, group, d)
     return out.transpose(0, 2, 1, 3, 4).reshape(n, length, hq, d)

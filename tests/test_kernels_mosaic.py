@@ -103,14 +103,20 @@ def test_causal_conv1d_update_mosaic(d, dtype):
 
 
 # ------------------------------------------------------------------------------------------------ paged attention
+LONG = {"long decode": (((150, 1), (0, 1), (70, 1)), 1),       # 10-page tables: 3 key steps -> 3 KV splits
+        "long prefill": (((100, 40), (0, 20)), 16)}             # splits past a causal group's end stay empty
+
+
 @pytest.mark.parametrize("case, hq, hkv, d, block_size", [
     ("decode", 4, 2, 64, 16),       # 4 pages per 64-key step, partial last pages, a padding row
     ("prefill", 8, 2, 64, 16),      # causal groups of 16 queries x 4 heads = one 64-row block
     ("mixed", 12, 1, 64, 32),       # 192 rows = 3 row blocks (one all padding), 2 pages per step
     ("decode", 2, 2, 128, 64),      # one page per step, D = 128
+    ("long decode", 6, 2, 64, 16),  # GQA 3 (not a power of two)
+    ("long prefill", 4, 2, 64, 16),
 ])
 def test_paged_attention_mosaic(case, hq, hkv, d, block_size):
-    seqs, group_len = ATTN_CASES[case]
+    seqs, group_len = LONG[case] if case in LONG else ATTN_CASES[case]
     rng = np.random.default_rng(hq + d)
     layout = random_attn_layout(rng, seqs, group_len, block_size, num_pad=1)
     q, k_pages, v_pages = (jnp.asarray(x, jnp.bfloat16) for x in attn_inputs(rng, layout, hq, hkv, d, block_size))
