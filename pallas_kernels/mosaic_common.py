@@ -32,6 +32,12 @@ def races_found() -> bool:
     return bool(races is not None and races.races_found)
 
 
+def reset_interpreter():
+    """Drop the interpreter's simulated memory and race state (needed after a kernel raised while interpreted)."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    gpu_callbacks.reset_gpu_interpret_mode_state()
+
+
 def tiled(dtype):
     """Tiling + swizzle transforms of a 2-D SMEM tile of `dtype` (row-major, 128-byte swizzle)."""
     return (plgpu.TilingTransform((8, SWIZZLE // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(SWIZZLE))

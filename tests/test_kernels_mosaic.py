@@ -30,6 +30,13 @@ def _print_max_errors():
         print(f"\nmax |mosaic - reference| {name}: {err:.3g}")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_interpreter():
+    """A kernel that raised leaves the interpreter's simulated GPU state behind; no test inherits it."""
+    yield
+    mc.reset_interpreter()
+
+
 def _both(op, *args, **kwargs):
     """(Mosaic GPU kernel in the interpreter, reference) results of one public op as numpy pytrees; the kernel
     must run race-free."""
@@ -125,6 +132,23 @@ def test_paged_attention_mosaic(case, hq, hkv, d, block_size):
     # P is rounded to bfloat16 for the P V product on the tensor cores (the reference keeps it in float32).
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
     _record("paged_attention", got, want)
+
+
+def test_paged_attention_mosaic_double_buffer_over_many_steps():
+    """No KV splits: one loop over 3 and 2 key steps, so both SMEM slots are filled, read and refilled."""
+    from pallas_kernels import paged_attention_mosaic
+
+    rng = np.random.default_rng(7)
+    layout = random_attn_layout(rng, ((150, 1), (100, 1)), 1, 16, num_pad=0)
+    q, k_pages, v_pages = (jnp.asarray(x, jnp.bfloat16) for x in attn_inputs(rng, layout, 2, 1, 64, 16))
+    args = (q, k_pages, v_pages, jnp.asarray(layout.block_table), jnp.asarray(layout.kv_len),
+            jnp.asarray(layout.q_pos))
+    got = paged_attention_mosaic.paged_attention(*args, sm_scale=0.125, interpret=True, min_blocks=1)
+    jax.block_until_ready(got)
+    assert not mc.races_found(), "the Mosaic GPU interpreter detected a race"
+    want = ops.paged_attention(*args, sm_scale=0.125, implementation="reference")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-2, atol=2e-2)
+    _record("paged_attention", np.asarray(got), np.asarray(want))
 
 
 # ------------------------------------------------------------------------------------------------ dispatch, races
