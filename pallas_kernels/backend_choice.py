@@ -7,6 +7,7 @@ Rule (`choose_gpu_kernel_backend`, a pure function of the JAX version and the de
 - "triton" (Pallas Triton, *_pallas.py) everywhere else: GPUs before Hopper, Blackwell and newer, and JAX older
   than 0.10.2. JAX 0.11.0 deprecated Pallas's Triton backend (it still runs, with a DeprecationWarning); a
   GPU that is not Hopper has no Mosaic GPU kernel here, so it stays on Triton, with a warning from 0.11 on.
+- A GPU without a CUDA compute capability (not NVIDIA, e.g. ROCm) gets Triton.
 - An explicit "mosaic" or "triton" overrides the rule; "mosaic" where it cannot run is an error.
 """
 from __future__ import annotations
@@ -84,9 +85,13 @@ def resolve_gpu_kernel_backend(requested: str = "auto", device=None) -> str:
     import jax
 
     capability = device_compute_capability(device)
-    if capability is None:
-        raise ValueError("no CUDA compute capability on this device: the Pallas GPU kernels need an NVIDIA GPU")
-    backend, reason = choose_gpu_kernel_backend(jax.__version__, capability, requested)
+    if capability is None:                 # not an NVIDIA GPU (e.g. ROCm): Pallas Triton is the only GPU backend
+        if requested == "mosaic":
+            raise ValueError("gpu_kernel_backend='mosaic' needs an NVIDIA Hopper GPU; this device reports no CUDA "
+                             "compute capability")
+        backend, reason = "triton", "the device reports no CUDA compute capability (not an NVIDIA GPU)"
+    else:
+        backend, reason = choose_gpu_kernel_backend(jax.__version__, capability, requested)
     log = logger.warning if backend == "triton" and "deprecated" in reason else logger.info
     log("GPU kernels: Pallas %s backend (%s)", "Mosaic GPU" if backend == "mosaic" else "Triton", reason)
     return backend
