@@ -107,7 +107,19 @@ def lowered_to(fn, args):
     return "triton" if "xla.gpu.triton" in text else "none"
 
 
-def check_case(name, op, args, kwargs, backend, repeats):
+def time_reference(op, args, kwargs, repeats):
+    """(first call incl. compile s, best s, outputs) of XLA's jnp path; shared by both backends' rows."""
+    import functools
+
+    import jax
+
+    import bench_kernels as bk
+
+    return bk.timed(jax.jit(functools.partial(op, implementation="reference", **kwargs)), *args, repeats=repeats)
+
+
+def check_case(name, op, args, kwargs, backend, repeats, reference=None):
+    """One kernel row: the kernel of `backend` against the reference (timed here unless given)."""
     import functools
 
     import jax
@@ -116,16 +128,15 @@ def check_case(name, op, args, kwargs, backend, repeats):
     import bench_kernels as bk
 
     kernel = functools.partial(op, implementation=backend, **kwargs)
-    reference = functools.partial(op, implementation="reference", **kwargs)
     row = dict(kernel=name, backend=backend, lowered_to=lowered_to(kernel, args))
     first_k, best_k, out_k = bk.timed(jax.jit(kernel), *args, repeats=repeats)
-    first_r, best_r, out_r = bk.timed(jax.jit(reference), *args, repeats=repeats)
+    first_r, best_r, out_r = reference or time_reference(op, args, kwargs, repeats)
     errors, ok = [], True
-    for got, want in zip(jax.tree.leaves(out_k), jax.tree.leaves(out_r)):
+    pools = name.startswith(("chunk", "recurrent", "causal"))
+    for i, (got, want) in enumerate(zip(jax.tree.leaves(out_k), jax.tree.leaves(out_r))):
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-        if got.ndim == 4 and got.shape[0] > 1 and want.shape == got.shape and name.startswith(("chunk", "recurrent",
-                                                                                                "causal")):
-            got, want = got[1:], want[1:]                       # pools: row 0 (the dummy) is undefined
+        if pools and i == 1:
+            got, want = got[1:], want[1:]                       # state pools: row 0 (the dummy) is undefined
         err, scale = float(np.max(np.abs(got - want))), float(np.max(np.abs(want)))
         errors.append(dict(max_abs_err=err, reference_max_abs=scale))
         ok &= bool(np.isfinite(err)) and err <= TOLERANCE["abs"] + TOLERANCE["rel"] * scale
@@ -138,13 +149,15 @@ def run_kernels(backends, repeats, deadline):
     rows = []
     for model in MODELS:
         for case in kernel_cases(model):
+            reference = None
             for backend in backends:
                 base = dict(model=model, kernel=case[0], backend=backend)
                 if time.monotonic() > deadline:
                     rows.append(dict(base, ok=None, skipped="time budget"))
                     continue
                 try:
-                    row = dict(model=model, **check_case(*case, backend, repeats))
+                    reference = reference or time_reference(*case[1:], repeats)
+                    row = dict(model=model, **check_case(*case, backend, repeats, reference))
                 except Exception as err:          # noqa: BLE001 - one broken kernel must not hide the others
                     row = dict(base, ok=False, error=f"{type(err).__name__}: {err}",
                                traceback=traceback.format_exc(limit=4))
