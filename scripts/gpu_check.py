@@ -54,7 +54,7 @@ def gpu_device():
 
 
 def kernel_cases(model):
-    """(name, op, args, kwargs, output selector) at `model`'s layer shapes."""
+    """[(name, op, make_args, kwargs)] at `model`'s layer shapes; make_args() builds the inputs (on the device)."""
     import jax
     import jax.numpy as jnp
 
@@ -62,40 +62,58 @@ def kernel_cases(model):
     import pallas_kernels as ops
 
     (hq, hkv), (hk, hv) = MODELS[model]
-    cases = []
-    for name, seqs, kv_len, rows in (("paged_attention decode", DECODE_ROWS, DECODE_KV_LEN, 1),
-                                     ("paged_attention prefill", PREFILL_SEQS, PREFILL_KV_LEN, C)):
-        args = bk.attention_batch(jax.random.PRNGKey(0), seqs, kv_len, rows, hq, hkv, D, BLOCK_SIZE, jnp.bfloat16)
-        cases.append((f"{name} N={seqs} L={rows} kv_len={kv_len}", ops.paged_attention, args,
-                      dict(sm_scale=D ** -0.5)))
+    b, conv_dim = DECODE_ROWS, 2 * hk * DK + hv * DV
+    bf16 = jnp.bfloat16
 
-    r = bk.sequence_groups(GDR_SEQS, GDR_LEN, C)
-    n = r["length"].shape[0]
-    rows = (r["read_row"], r["write_row"], r["capture_row"], r["is_first"], r["is_last"])
-    q, k, v, g, beta = bk.gdr_tensors(jax.random.PRNGKey(1), (n, C), hk, hv, DK, DV, jnp.bfloat16)
-    state = jax.random.normal(jax.random.PRNGKey(2), (GDR_SEQS + 1, hv, DK, DV), jnp.float32) * 0.1
-    cases.append((f"chunk_gated_delta_rule {GDR_SEQS}x{GDR_LEN} tokens", ops.chunk_gated_delta_rule,
-                  (q, k, v, g, beta, r["length"], state, *rows), {}))
+    def attention(seqs, kv_len, rows):
+        return lambda: bk.attention_batch(jax.random.PRNGKey(0), seqs, kv_len, rows, hq, hkv, D, BLOCK_SIZE, bf16)
 
-    b = DECODE_ROWS
-    live = jnp.arange(1, b + 1, dtype=jnp.int32)
-    none = jnp.zeros((b,), jnp.int32)
-    q, k, v, g, beta = bk.gdr_tensors(jax.random.PRNGKey(3), (b,), hk, hv, DK, DV, jnp.bfloat16)
-    state = jax.random.normal(jax.random.PRNGKey(4), (b + 1, hv, DK, DV), jnp.float32) * 0.1
-    cases.append((f"recurrent_gated_delta_rule N={b}", ops.recurrent_gated_delta_rule,
-                  (q, k, v, g, beta, state, live, live, none), {}))
+    def prefill_rows():
+        r = bk.sequence_groups(GDR_SEQS, GDR_LEN, C)
+        return r["length"], (r["read_row"], r["write_row"], r["capture_row"], r["is_first"], r["is_last"])
 
-    conv_dim = 2 * hk * DK + hv * DV
-    weight = jax.random.normal(jax.random.PRNGKey(5), (conv_dim, WIDTH), jnp.bfloat16)
-    x = jax.random.normal(jax.random.PRNGKey(6), (b, conv_dim), jnp.bfloat16)
-    conv_state = jax.random.normal(jax.random.PRNGKey(7), (b + 1, WIDTH - 1, conv_dim), jnp.bfloat16)
-    cases.append((f"causal_conv1d_update N={b} D={conv_dim}", ops.causal_conv1d_update,
-                  (x, weight, conv_state, live, live, none), {}))
-    x = jax.random.normal(jax.random.PRNGKey(8), (n, C, conv_dim), jnp.bfloat16)
-    conv_state = jnp.zeros((GDR_SEQS + 1, WIDTH - 1, conv_dim), jnp.bfloat16)
-    cases.append((f"causal_conv1d_chunked {GDR_SEQS}x{GDR_LEN} tokens D={conv_dim}", ops.causal_conv1d_chunked,
-                  (x, weight, conv_state, r["length"], *rows), {}))
-    return cases
+    def chunk():
+        length, rows = prefill_rows()
+        q, k, v, g, beta = bk.gdr_tensors(jax.random.PRNGKey(1), (length.shape[0], C), hk, hv, DK, DV, bf16)
+        state = jax.random.normal(jax.random.PRNGKey(2), (GDR_SEQS + 1, hv, DK, DV), jnp.float32) * 0.1
+        return (q, k, v, g, beta, length, state, *rows)
+
+    def decode_rows():
+        return jnp.arange(1, b + 1, dtype=jnp.int32), jnp.zeros((b,), jnp.int32)
+
+    def recurrent():
+        live, none = decode_rows()
+        q, k, v, g, beta = bk.gdr_tensors(jax.random.PRNGKey(3), (b,), hk, hv, DK, DV, bf16)
+        state = jax.random.normal(jax.random.PRNGKey(4), (b + 1, hv, DK, DV), jnp.float32) * 0.1
+        return (q, k, v, g, beta, state, live, live, none)
+
+    def weight():
+        return jax.random.normal(jax.random.PRNGKey(5), (conv_dim, WIDTH), bf16)
+
+    def conv_update():
+        live, none = decode_rows()
+        x = jax.random.normal(jax.random.PRNGKey(6), (b, conv_dim), bf16)
+        conv_state = jax.random.normal(jax.random.PRNGKey(7), (b + 1, WIDTH - 1, conv_dim), bf16)
+        return (x, weight(), conv_state, live, live, none)
+
+    def conv_chunked():
+        length, rows = prefill_rows()
+        x = jax.random.normal(jax.random.PRNGKey(8), (length.shape[0], C, conv_dim), bf16)
+        conv_state = jnp.zeros((GDR_SEQS + 1, WIDTH - 1, conv_dim), bf16)
+        return (x, weight(), conv_state, length, *rows)
+
+    scale = dict(sm_scale=D ** -0.5)
+    return [
+        (f"paged_attention decode N={b} L=1 kv_len={DECODE_KV_LEN}", ops.paged_attention,
+         attention(b, DECODE_KV_LEN, 1), scale),
+        (f"paged_attention prefill N={PREFILL_SEQS} L={C} kv_len={PREFILL_KV_LEN}", ops.paged_attention,
+         attention(PREFILL_SEQS, PREFILL_KV_LEN, C), scale),
+        (f"chunk_gated_delta_rule {GDR_SEQS}x{GDR_LEN} tokens", ops.chunk_gated_delta_rule, chunk, {}),
+        (f"recurrent_gated_delta_rule N={b}", ops.recurrent_gated_delta_rule, recurrent, {}),
+        (f"causal_conv1d_update N={b} D={conv_dim}", ops.causal_conv1d_update, conv_update, {}),
+        (f"causal_conv1d_chunked {GDR_SEQS}x{GDR_LEN} tokens D={conv_dim}", ops.causal_conv1d_chunked, conv_chunked,
+         {}),
+    ]
 
 
 def lowered_to(fn, args):
@@ -148,16 +166,17 @@ def check_case(name, op, args, kwargs, backend, repeats, reference=None):
 def run_kernels(backends, repeats, deadline):
     rows = []
     for model in MODELS:
-        for case in kernel_cases(model):
-            reference = None
+        for name, op, make_args, kwargs in kernel_cases(model):
+            reference = args = None
             for backend in backends:
-                base = dict(model=model, kernel=case[0], backend=backend)
+                base = dict(model=model, kernel=name, backend=backend)
                 if time.monotonic() > deadline:
                     rows.append(dict(base, ok=None, skipped="time budget"))
                     continue
                 try:
-                    reference = reference or time_reference(*case[1:], repeats)
-                    row = dict(model=model, **check_case(*case, backend, repeats, reference))
+                    args = args or make_args()
+                    reference = reference or time_reference(op, args, kwargs, repeats)
+                    row = dict(model=model, **check_case(name, op, args, kwargs, backend, repeats, reference))
                 except Exception as err:          # noqa: BLE001 - one broken kernel must not hide the others
                     row = dict(base, ok=False, error=f"{type(err).__name__}: {err}",
                                traceback=traceback.format_exc(limit=4))

@@ -28,14 +28,19 @@ def test_model_shapes_are_the_three_layer_sizes():
                                 "qwen3.5-397b": ((32, 2), (16, 64))}
 
 
-def test_kernel_stage_runs_end_to_end_at_small_sizes(monkeypatch):
-    """The kernel stage's cases at small sizes, reference vs reference on CPU: every case builds, runs and
-    matches (a GPU run differs only in the backend names and the sizes)."""
-    for name, value in dict(DECODE_ROWS=2, DECODE_KV_LEN=100, PREFILL_SEQS=1, PREFILL_KV_LEN=100, GDR_SEQS=1,
-                            GDR_LEN=100, D=64, DK=64, DV=64).items():
-        monkeypatch.setattr(gpu_check, name, value)
+def test_kernel_cases_are_valid_calls_and_a_row_compares(monkeypatch):
+    """Every case of the kernel stage is a valid call of its op at the real layer shapes (traced, not run), and
+    one row runs end to end at small sizes (reference vs reference on CPU: exact, lowered to no Pallas call)."""
+    import functools
+
+    import jax
+
+    for model in gpu_check.MODELS:
+        for name, op, make_args, kwargs in gpu_check.kernel_cases(model):
+            jax.eval_shape(lambda: functools.partial(op, implementation="reference", **kwargs)(*make_args()))
+    monkeypatch.setattr(gpu_check, "DECODE_ROWS", 2)
     monkeypatch.setattr(gpu_check, "MODELS", {"qwen3-next-80b": ((4, 2), (2, 4))})
-    rows = gpu_check.run_kernels(["reference"], repeats=1, deadline=float("inf"))
-    assert len(rows) == 6
-    assert all(r["ok"] for r in rows), [r.get("error") for r in rows]
-    assert all(r["lowered_to"] == "none" and r["outputs"][0]["max_abs_err"] == 0.0 for r in rows)
+    name, op, make_args, kwargs = [c for c in gpu_check.kernel_cases("qwen3-next-80b") if "update" in c[0]][0]
+    row = gpu_check.check_case(name, op, make_args(), kwargs, "reference", repeats=1)
+    assert row["ok"] and row["lowered_to"] == "none"
+    assert [o["max_abs_err"] for o in row["outputs"]] == [0.0, 0.0]
