@@ -15,8 +15,9 @@ Chunked form (`chunk_gated_delta_rule`), FLA's split of the work:
    Kd = diag(e^(G_last - G)) K, e^G_last, all laid out [N, Hv, C, d] so one TMA box is one (group, head) tile.
 2. State kernel, grid (Hv, dv / 64), one warpgroup each, the only sequential part: the state slice S [dk, 64]
    stays in float32 registers (WGMMA layout) and walks all N groups in order. Per group the tiles are TMA-copied
-   into SMEM on one barrier (the state of read_row too, every group, blended in with is_first: a conditional
-   copy would need a conditional barrier wait), then on the tensor cores (wgmma, bfloat16 operands, float32
+   into SMEM on one barrier; a segment's first group (is_first) also loads its initial state from read_row on a
+   second barrier, under a cond (the barriers' phases advance per wait, so a conditional copy-and-wait pair is
+   fine). Then on the tensor cores (wgmma, bfloat16 operands, float32
    accumulation, as FLA's chunk kernels): V' = U - W S; O = Qg S + A V'; S <- e^G_last S + Kd^T V'.
    S and V' go to SMEM in bfloat16 as wgmma operands (the carried S stays float32); O and the end state (float32)
    go out with TMA stores: the state to write_row when is_last and to capture_row (rows 0: no write).
@@ -97,21 +98,24 @@ BF16 = jnp.bfloat16
 
 def _chunk_state_body(rows_ref, first_ref, last_ref, decay_ref, w_ref, qg_ref, a_ref, kd_ref, u_ref, state_ref,
                       o_ref, w_smem, qg_smem, a_smem, kd_smem, u_smem, s_in_smem, s_smem, sb_smem, vn_smem, o_smem,
-                      bar, *, lay):
+                      bar, state_bar, *, lay):
     h, vb = jax.lax.axis_index("h"), jax.lax.axis_index("v")
     cols = pl.ds(vb * BLOCK_V, BLOCK_V)
     num_groups = w_ref.shape[0]
     dk = w_ref.shape[3]
 
     def group(n, s):
-        read = jnp.where(first_ref[n] > 0, jnp.maximum(rows_ref[0, n], 0), 0)
         for src, dst in ((w_ref.at[n, h], w_smem), (qg_ref.at[n, h], qg_smem), (a_ref.at[n, h], a_smem),
-                         (kd_ref.at[n, h], kd_smem), (u_ref.at[n, h, :, cols], u_smem),
-                         (state_ref.at[read, h, :, cols], s_in_smem)):
+                         (kd_ref.at[n, h], kd_smem), (u_ref.at[n, h, :, cols], u_smem)):
             plgpu.copy_gmem_to_smem(src, dst, bar)
+
+        def load_state():                       # a segment's first group: its initial state (row 0: zeros)
+            plgpu.copy_gmem_to_smem(state_ref.at[jnp.maximum(rows_ref[0, n], 0), h, :, cols], s_in_smem, state_bar)
+            plgpu.barrier_wait(state_bar)
+            return s_in_smem[...]
+
+        s = jax.lax.cond(first_ref[n] > 0, load_state, lambda: s)                      # [dk, BV] f32
         plgpu.barrier_wait(bar)
-        first = first_ref[n].astype(F32)
-        s = first * s_in_smem[...] + (1.0 - first) * s                                  # [dk, BV] f32
         sb_smem[...] = s.astype(BF16)
         plgpu.commit_smem()
         v_new = u_smem[...] - mc.matmul(w_smem, sb_smem, lay=lay)                       # V' = U - W S [C, BV]
@@ -181,7 +185,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, length, state, read_row, write_row,
     scratch = (mc.smem_tile((c, dk), BF16), mc.smem_tile((c, dk), BF16), mc.smem_tile((c, c), BF16),
                mc.smem_tile((c, dk), BF16), mc.smem_tile((c, BLOCK_V), F32), mc.smem_tile((dk, BLOCK_V), F32),
                mc.smem_tile((dk, BLOCK_V), F32), mc.smem_tile((dk, BLOCK_V), BF16), mc.smem_tile((c, BLOCK_V), BF16),
-               mc.smem_tile((c, BLOCK_V), F32), plgpu.Barrier(num_arrivals=6))
+               mc.smem_tile((c, BLOCK_V), F32), plgpu.Barrier(num_arrivals=5), plgpu.Barrier(num_arrivals=1))
     body = functools.partial(_chunk_state_body, lay=mc.Layouts(interpret))
     ins, (o,) = mc.launch(body, operands, (jax.ShapeDtypeStruct((n, hv, c, dv), F32),), grid=(hv, dv // BLOCK_V),
                           grid_names=("h", "v"), scratch=scratch, interpret=interpret,
