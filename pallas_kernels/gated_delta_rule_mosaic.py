@@ -15,7 +15,8 @@ Chunked form (`chunk_gated_delta_rule`), FLA's split of the work:
    Kd = diag(e^(G_last - G)) K, e^G_last, all laid out [N, Hv, C, d] so one TMA box is one (group, head) tile.
 2. State kernel, grid (Hv, dv / 64), one warpgroup each, the only sequential part: the state slice S [dk, 64]
    stays in float32 registers (WGMMA layout) and walks all N groups in order. Per group the tiles are TMA-copied
-   into SMEM on one barrier; a segment's first group (is_first) also loads its initial state from read_row on a
+   into SMEM, double-buffered (group n + 1's tiles land in the other slot, on its own barrier, while group n
+   computes); a segment's first group (is_first) also loads its initial state from read_row on a
    second barrier, under a cond (the barriers' phases advance per wait, so a conditional copy-and-wait pair is
    fine). Then on the tensor cores (wgmma, bfloat16 operands, float32
    accumulation, as FLA's chunk kernels): V' = U - W S; O = Qg S + A V'; S <- e^G_last S + Kd^T V'.
@@ -97,38 +98,42 @@ BF16 = jnp.bfloat16
 
 
 def _chunk_state_body(rows_ref, first_ref, last_ref, decay_ref, w_ref, qg_ref, a_ref, kd_ref, u_ref, state_ref,
-                      o_ref, w_smem, qg_smem, a_smem, kd_smem, u_smem, s_in_smem, s_smem, sb_smem, vn_smem, o_smem,
-                      bar, state_bar, *, lay):
+                      o_ref, w_smem, qg_smem, a_smem, kd_smem, u_smem, s_smem, sb_smem, vn_smem, o_smem, bar,
+                      state_bar, *, lay):
     h, vb = jax.lax.axis_index("h"), jax.lax.axis_index("v")
     cols = pl.ds(vb * BLOCK_V, BLOCK_V)
     num_groups = w_ref.shape[0]
     dk = w_ref.shape[3]
 
-    def group(n, s):
+    def fetch(n, slot):
         for src, dst in ((w_ref.at[n, h], w_smem), (qg_ref.at[n, h], qg_smem), (a_ref.at[n, h], a_smem),
                          (kd_ref.at[n, h], kd_smem), (u_ref.at[n, h, :, cols], u_smem)):
-            plgpu.copy_gmem_to_smem(src, dst, bar)
+            plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
+
+    fetch(0, 0)
+
+    def group(n, s):
+        slot = n % 2
+
+        @pl.when(n + 1 < num_groups)          # double buffer: group n + 1's tiles land while group n computes;
+        def _():                                # the other slot's last reader (group n - 1) has finished
+            fetch(n + 1, 1 - slot)
 
         def load_state():                       # a segment's first group: its initial state (row 0: zeros)
-            plgpu.copy_gmem_to_smem(state_ref.at[jnp.maximum(rows_ref[0, n], 0), h, :, cols], s_in_smem, state_bar)
+            plgpu.copy_gmem_to_smem(state_ref.at[jnp.maximum(rows_ref[0, n], 0), h, :, cols], s_smem, state_bar)
             plgpu.barrier_wait(state_bar)
-            return s_in_smem[...]
+            return s_smem[...]
 
         s = jax.lax.cond(first_ref[n] > 0, load_state, lambda: s)                      # [dk, BV] f32
-        plgpu.barrier_wait(bar)
+        plgpu.barrier_wait(bar.at[slot])
         sb_smem[...] = s.astype(BF16)
         plgpu.commit_smem()
-        v_new = u_smem[...] - mc.matmul(w_smem, sb_smem, lay=lay)                       # V' = U - W S [C, BV]
+        v_new = u_smem[slot] - mc.matmul(w_smem.at[slot], sb_smem, lay=lay)             # V' = U - W S [C, BV]
         vn_smem[...] = v_new.astype(BF16)
         plgpu.commit_smem()
-        o = mc.matmul(qg_smem, sb_smem, lay=lay) + mc.matmul(a_smem, vn_smem, lay=lay)  # Qg S + A V'
-        kd_t = kd_smem if lay.interpret else plgpu.transpose_ref(kd_smem, (1, 0))
-        if lay.interpret:
-            upd = jax.lax.dot_general(kd_smem[...], vn_smem[...], (((0,), (0,)), ((), ())),
-                                      preferred_element_type=F32)
-        else:
-            upd = mc.matmul(kd_t, vn_smem, lay=lay)                                     # Kd^T V' [dk, BV]
-        s = decay_ref[n, h] * s + upd
+        o = (mc.matmul(qg_smem.at[slot], sb_smem, lay=lay)                              # Qg S + A V'
+             + mc.matmul(a_smem.at[slot], vn_smem, lay=lay))
+        s = decay_ref[n, h] * s + mc.matmul(kd_smem.at[slot], vn_smem, lay=lay, transpose_a=True)  # + Kd^T V'
         o_smem[...] = o
         s_smem[...] = s
         plgpu.commit_smem()
@@ -137,7 +142,7 @@ def _chunk_state_body(rows_ref, first_ref, last_ref, decay_ref, w_ref, qg_ref, a
             @pl.when(enabled & (row > 0))
             def _():
                 plgpu.copy_smem_to_gmem(s_smem, state_ref.at[row, h, :, cols])
-        plgpu.wait_smem_to_gmem(0)                          # the SMEM tiles are rewritten by the next group
+        plgpu.wait_smem_to_gmem(0)              # o_smem and s_smem are rewritten by the next group
         return s
 
     jax.lax.fori_loop(0, num_groups, group, lay.tile(jnp.full((dk, BLOCK_V), 0.0, F32)))
@@ -182,10 +187,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, length, state, read_row, write_row,
     rows = jnp.stack([read_row, write_row, capture_row]).astype(jnp.int32)
     flags = [x.astype(jnp.int32) for x in (is_first, is_last)]
     operands = (rows, *flags, decay, w.astype(BF16), qg.astype(BF16), a.astype(BF16), kd.astype(BF16), u, state)
-    scratch = (mc.smem_tile((c, dk), BF16), mc.smem_tile((c, dk), BF16), mc.smem_tile((c, c), BF16),
-               mc.smem_tile((c, dk), BF16), mc.smem_tile((c, BLOCK_V), F32), mc.smem_tile((dk, BLOCK_V), F32),
-               mc.smem_tile((dk, BLOCK_V), F32), mc.smem_tile((dk, BLOCK_V), BF16), mc.smem_tile((c, BLOCK_V), BF16),
-               mc.smem_tile((c, BLOCK_V), F32), plgpu.Barrier(num_arrivals=5), plgpu.Barrier(num_arrivals=1))
+    # SMEM at C = 64, dk = 128: two slots of W, Qg, Kd (16 KiB each), A (8) and U (16) = 144 KiB,
+    # S f32 (32, its initial value in and its end value out), S bf16 (16), V' (8), O (16): 216 KiB of H100's 227.
+    slots = lambda shape, dtype: mc.smem_tile((2,) + shape, dtype)  # noqa: E731
+    scratch = (slots((c, dk), BF16), slots((c, dk), BF16), slots((c, c), BF16), slots((c, dk), BF16),
+               slots((c, BLOCK_V), F32), mc.smem_tile((dk, BLOCK_V), F32), mc.smem_tile((dk, BLOCK_V), BF16),
+               mc.smem_tile((c, BLOCK_V), BF16), mc.smem_tile((c, BLOCK_V), F32),
+               plgpu.Barrier(num_arrivals=5, num_barriers=2), plgpu.Barrier(num_arrivals=1))
     body = functools.partial(_chunk_state_body, lay=mc.Layouts(interpret))
     ins, (o,) = mc.launch(body, operands, (jax.ShapeDtypeStruct((n, hv, c, dv), F32),), grid=(hv, dv // BLOCK_V),
                           grid_names=("h", "v"), scratch=scratch, interpret=interpret,

@@ -73,19 +73,21 @@ class Layouts:
         return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
 
 
-def matmul(a, b_ref, *, lay, transpose_b=False):
-    """a [M, K] (an SMEM ref or a register value in the WGMMA layout) @ b [K, N] (an SMEM ref; transpose_b: the ref
-    holds b^T [N, K]) on the tensor cores (wgmma), float32 accumulation; returns the [M, N] float32 value.
+def matmul(a, b_ref, *, lay, transpose_a=False, transpose_b=False):
+    """a [M, K] (an SMEM ref or a register value in the WGMMA layout; transpose_a: an SMEM ref holding a^T [K, M])
+    @ b [K, N] (an SMEM ref; transpose_b: the ref holds b^T [N, K]) on the tensor cores (wgmma), float32
+    accumulation; returns the [M, N] float32 value. Transposed operands: 16-bit dtypes only (wgmma's rule).
 
     Under the interpreter the product is a float32-accumulating dot of the same operands: its wgmma takes neither a
     register operand nor a transposed SMEM view, so only the instruction itself is emulated; the copies, barriers
     and SMEM accesses around it are still simulated and race-checked."""
-    m = a.shape[0]
+    m = a.shape[1] if transpose_a else a.shape[0]
     n = b_ref.shape[0] if transpose_b else b_ref.shape[1]
     if lay.interpret:
         a_val = a[...] if hasattr(a, "at") else a
-        dims = (((1,), (1,)), ((), ())) if transpose_b else (((1,), (0,)), ((), ()))
+        dims = (((0,) if transpose_a else (1,), (1,) if transpose_b else (0,)), ((), ()))
         return jax.lax.dot_general(a_val, b_ref[...], dims, preferred_element_type=jnp.float32)
+    a = plgpu.transpose_ref(a, (1, 0)) if transpose_a else a
     b = plgpu.transpose_ref(b_ref, (1, 0)) if transpose_b else b_ref
 
     def run(acc_ref):
