@@ -1,5 +1,16 @@
-"""Public, validated entry points of the ops; each dispatches between its Pallas kernel and its reference."""
+"""Public, validated entry points of the ops; each dispatches between its Pallas kernels and its reference.
+
+implementation: None (GPU: the Pallas backend chosen for this device by backend_choice; elsewhere the reference),
+"pallas" (the chosen Pallas backend), "triton", "mosaic" or "reference". Under "mosaic" an op without a Mosaic GPU
+kernel (the chunked conv1d) or with shapes its kernel does not take (e.g. float32 KV pages, dims not multiples of
+64) runs the reference (XLA), with one warning per op and reason. interpret=True runs the Triton kernel in Pallas's
+generic interpreter, or with implementation="mosaic" the Mosaic GPU kernel in the Mosaic GPU interpreter, where
+unsupported shapes raise instead of falling back (a test must see them).
+"""
 from __future__ import annotations
+
+import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -9,14 +20,41 @@ from pallas_kernels import gated_delta_rule as gdr_ops
 from pallas_kernels import paged_attention as attn_ops
 
 
-def _use_pallas(implementation, interpret):
-    if implementation not in (None, "reference", "pallas"):
-        raise ValueError(f"implementation must be None, 'reference' or 'pallas', got {implementation!r}")
+logger = logging.getLogger(__name__)
+IMPLEMENTATIONS = (None, "reference", "pallas", "triton", "mosaic")
+
+
+@functools.lru_cache(maxsize=None)
+def _device_backend():
+    from pallas_kernels import backend_choice
+    return backend_choice.resolve_gpu_kernel_backend("auto")
+
+
+def _implementation(implementation, interpret):
+    """"reference", "triton" or "mosaic" for this call."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if interpret:
-        return implementation != "reference"
+        return implementation if implementation in ("reference", "mosaic") else "triton"
     if implementation is None:
-        return jax.default_backend() == "gpu"
-    return implementation == "pallas"
+        implementation = "pallas" if jax.default_backend() == "gpu" else "reference"
+    return _device_backend() if implementation == "pallas" else implementation
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_fallback(op, reason):
+    logger.warning("%s: no Mosaic GPU kernel for this call (%s); running the jnp reference", op, reason)
+
+
+def _mosaic_or_reference(op, interpret, mosaic_call, reference_call):
+    """The Mosaic GPU kernel, or the reference where the kernel rejects the shapes (raises under interpret)."""
+    try:
+        return mosaic_call()
+    except ValueError as err:
+        if interpret or "Mosaic GPU kernel" not in str(err):
+            raise
+        _warn_fallback(op, str(err))
+        return reference_call()
 
 
 def _check(cond, message):
@@ -56,11 +94,17 @@ def paged_attention(q, k_pages, v_pages, block_table, kv_len, q_pos, *, sm_scale
     _check(block_table.ndim == 2 and block_table.shape[0] == n, f"block_table must be [{n}, MB], got {block_table.shape}")
     _check(kv_len.shape == (n,), f"kv_len must be [{n}], got {kv_len.shape}")
     _check(q_pos.shape == (n, length), f"q_pos must be [{n}, {length}], got {q_pos.shape}")
-    if _use_pallas(implementation, interpret):
+    impl = _implementation(implementation, interpret)
+    args = (q, k_pages, v_pages, block_table, kv_len, q_pos)
+    reference = functools.partial(attn_ops.paged_attention_reference, *args, sm_scale=sm_scale)
+    if impl == "triton":
         from pallas_kernels import paged_attention_pallas
-        return paged_attention_pallas.paged_attention(q, k_pages, v_pages, block_table, kv_len, q_pos,
-                                                      sm_scale=sm_scale, interpret=interpret)
-    return attn_ops.paged_attention_reference(q, k_pages, v_pages, block_table, kv_len, q_pos, sm_scale=sm_scale)
+        return paged_attention_pallas.paged_attention(*args, sm_scale=sm_scale, interpret=interpret)
+    if impl == "mosaic":
+        from pallas_kernels import paged_attention_mosaic
+        return _mosaic_or_reference("paged_attention", interpret, functools.partial(
+            paged_attention_mosaic.paged_attention, *args, sm_scale=sm_scale, interpret=interpret), reference)
+    return reference()
 
 
 def _check_gdr(q, k, v, g, beta, state, lead):
@@ -85,13 +129,17 @@ def chunk_gated_delta_rule(q, k, v, g, beta, length, state, read_row, write_row,
                        ("capture_row", capture_row)):
         _check_rows(name, rows, n)
     _check(is_first.shape == (n,) and is_last.shape == (n,), f"is_first/is_last must be [{n}]")
-    if _use_pallas(implementation, interpret):
+    impl = _implementation(implementation, interpret)
+    args = (q, k, v, g, beta, length, state, read_row, write_row, capture_row, is_first, is_last)
+    reference = functools.partial(gdr_ops.chunk_gated_delta_rule_reference, *args)
+    if impl == "triton":
         from pallas_kernels import gated_delta_rule_pallas
-        return gated_delta_rule_pallas.chunk_gated_delta_rule(
-            q, k, v, g, beta, length, state, read_row, write_row, capture_row, is_first, is_last,
-            interpret=interpret)
-    return gdr_ops.chunk_gated_delta_rule_reference(q, k, v, g, beta, length, state, read_row, write_row,
-                                                    capture_row, is_first, is_last)
+        return gated_delta_rule_pallas.chunk_gated_delta_rule(*args, interpret=interpret)
+    if impl == "mosaic":
+        from pallas_kernels import gated_delta_rule_mosaic
+        return _mosaic_or_reference("chunk_gated_delta_rule", interpret, functools.partial(
+            gated_delta_rule_mosaic.chunk_gated_delta_rule, *args, interpret=interpret), reference)
+    return reference()
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, state, read_row, write_row, capture_row, *, implementation=None,
@@ -102,11 +150,17 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state, read_row, write_row, cap
     _check_gdr(q, k, v, g, beta, state, q.shape[:1])
     for name, rows in (("read_row", read_row), ("write_row", write_row), ("capture_row", capture_row)):
         _check_rows(name, rows, n)
-    if _use_pallas(implementation, interpret):
+    impl = _implementation(implementation, interpret)
+    args = (q, k, v, g, beta, state, read_row, write_row, capture_row)
+    reference = functools.partial(gdr_ops.recurrent_gated_delta_rule_reference, *args)
+    if impl == "triton":
         from pallas_kernels import gated_delta_rule_pallas
-        return gated_delta_rule_pallas.recurrent_gated_delta_rule(q, k, v, g, beta, state, read_row, write_row,
-                                                                  capture_row, interpret=interpret)
-    return gdr_ops.recurrent_gated_delta_rule_reference(q, k, v, g, beta, state, read_row, write_row, capture_row)
+        return gated_delta_rule_pallas.recurrent_gated_delta_rule(*args, interpret=interpret)
+    if impl == "mosaic":
+        from pallas_kernels import gated_delta_rule_mosaic
+        return _mosaic_or_reference("recurrent_gated_delta_rule", interpret, functools.partial(
+            gated_delta_rule_mosaic.recurrent_gated_delta_rule, *args, interpret=interpret), reference)
+    return reference()
 
 
 def _check_conv(x_channels, weight, conv_state):
@@ -125,12 +179,13 @@ def causal_conv1d_chunked(x, weight, conv_state, length, read_row, write_row, ca
     for name, rows in (("length", length), ("read_row", read_row), ("write_row", write_row),
                        ("capture_row", capture_row)):
         _check_rows(name, rows, n)
-    if _use_pallas(implementation, interpret):
+    impl = _implementation(implementation, interpret)
+    args = (x, weight, conv_state, length, read_row, write_row, capture_row, is_first, is_last)
+    if impl == "triton":
         from pallas_kernels import causal_conv1d_pallas
-        return causal_conv1d_pallas.causal_conv1d_chunked(x, weight, conv_state, length, read_row, write_row,
-                                                          capture_row, is_first, is_last, interpret=interpret)
-    return conv_ops.causal_conv1d_chunked_reference(x, weight, conv_state, length, read_row, write_row, capture_row,
-                                                    is_first, is_last)
+        return causal_conv1d_pallas.causal_conv1d_chunked(*args, interpret=interpret)
+    # "mosaic": no Mosaic GPU kernel for the chunked conv (a small share of a prefill step): the reference (XLA).
+    return conv_ops.causal_conv1d_chunked_reference(*args)
 
 
 def causal_conv1d_update(x, weight, conv_state, read_row, write_row, capture_row, *, implementation=None,
@@ -141,8 +196,14 @@ def causal_conv1d_update(x, weight, conv_state, read_row, write_row, capture_row
     _check_conv(x.shape[1], weight, conv_state)
     for name, rows in (("read_row", read_row), ("write_row", write_row), ("capture_row", capture_row)):
         _check_rows(name, rows, n)
-    if _use_pallas(implementation, interpret):
+    impl = _implementation(implementation, interpret)
+    args = (x, weight, conv_state, read_row, write_row, capture_row)
+    reference = functools.partial(conv_ops.causal_conv1d_update_reference, *args)
+    if impl == "triton":
         from pallas_kernels import causal_conv1d_pallas
-        return causal_conv1d_pallas.causal_conv1d_update(x, weight, conv_state, read_row, write_row, capture_row,
-                                                         interpret=interpret)
-    return conv_ops.causal_conv1d_update_reference(x, weight, conv_state, read_row, write_row, capture_row)
+        return causal_conv1d_pallas.causal_conv1d_update(*args, interpret=interpret)
+    if impl == "mosaic":
+        from pallas_kernels import causal_conv1d_mosaic
+        return _mosaic_or_reference("causal_conv1d_update", interpret, functools.partial(
+            causal_conv1d_mosaic.causal_conv1d_update, *args, interpret=interpret), reference)
+    return reference()

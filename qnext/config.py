@@ -71,6 +71,8 @@ class ModelConfig:
     tensor_parallel_size: int = 1  # > 1 only in the per-device config of a sharded model (tensor_parallel.py)
     backend: str | None = None     # "cpu" | "gpu": the kernels (Pallas on GPU, jnp references elsewhere) and layouts
                                    # the layers use; resolved once (with_backend), static under jit
+    gpu_kernels: str | None = None  # "mosaic" | "triton": the Pallas GPU backend, chosen at engine start
+                                    # (pallas_kernels/backend_choice.py); None: chosen by the ops on first use
 
     def with_backend(self, backend: str | None = None) -> "ModelConfig":
         """This config with its backend resolved: the given one, else its own, else JAX's default backend."""
@@ -82,8 +84,9 @@ class ModelConfig:
 
     @property
     def kernels(self) -> str:
-        """The ops' implementation (pallas_kernels.api): the Pallas kernels on GPU, the jnp references elsewhere."""
-        return "pallas" if self.with_backend().backend == "gpu" else "reference"
+        """The ops' implementation (pallas_kernels.api): the Pallas kernels on GPU (of the chosen backend), the jnp
+        references elsewhere."""
+        return (self.gpu_kernels or "pallas") if self.with_backend().backend == "gpu" else "reference"
 
     # ---- derived sizes -------------------------------------------------------------------------------------------
     @property

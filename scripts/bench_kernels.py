@@ -2,12 +2,14 @@
 
 CPU (default): the pure-jnp chunked gated delta rule vs the token-by-token scan, and the paged-attention reference
 vs dense attention over the gathered KV, side by side.
-GPU (--gpu): every Pallas kernel (Triton backend) vs its reference at the model shapes, with the achieved bandwidth
+GPU (--gpu): every Pallas kernel (--backend: the device's automatic choice, triton or mosaic) vs its reference at the model shapes, with the achieved bandwidth
 (minimum bytes each op must move / best time) against the H200's 4.8 TB/s, and the max |kernel - reference|.
 
     python scripts/bench_kernels.py                       # CPU tables
     python scripts/bench_kernels.py --json bench.json     # also write the rows as JSON
     python scripts/bench_kernels.py --gpu                 # on a GPU host
+    python scripts/bench_kernels.py --gpu --backend mosaic   # Mosaic GPU kernels (Hopper); scripts/gpu_check.py
+                                                             # checks both backends at three model sizes
 """
 from __future__ import annotations
 
@@ -146,12 +148,12 @@ def bench_cpu_attention(cases, hq, hkv, d, block_size, repeats):
 
 
 # ------------------------------------------------------------------------------------------------------ GPU
-def _gpu_row(name, shape, kernel, reference, args, num_bytes, repeats):
+def _gpu_row(name, shape, kernel, reference, args, num_bytes, repeats, label="pallas"):
     first_k, med_k, out_k = timed(jax.jit(kernel), *args, repeats=repeats)
     first_r, med_r, out_r = timed(jax.jit(reference), *args, repeats=repeats)
     out_k, out_r = jax.tree.leaves(out_k)[0], jax.tree.leaves(out_r)[0]
     bandwidth = num_bytes / med_k
-    return dict(op=name, shape=shape, candidate="pallas (triton)", baseline="reference (XLA)",
+    return dict(op=name, shape=shape, candidate=label, baseline="reference (XLA)",
                 candidate_ms=med_k * 1e3, baseline_ms=med_r * 1e3, candidate_compile_s=first_k,
                 baseline_compile_s=first_r, speedup=med_r / med_k,
                 max_abs_diff=float(jnp.max(jnp.abs(out_k.astype(jnp.float32) - out_r.astype(jnp.float32)))),
@@ -178,13 +180,15 @@ class GpuShapes:
     width: int = 4
 
 
-def bench_gpu(repeats, shapes=GpuShapes(), interpret=False):
-    """Pallas kernels vs references. `interpret` only exists to smoke-test this path on a CPU with tiny shapes."""
+def bench_gpu(repeats, shapes=GpuShapes(), interpret=False, backend="pallas"):
+    """Pallas kernels (backend: "pallas" = the device's choice, "triton", "mosaic") vs references. `interpret` only
+    exists to smoke-test this path on a CPU with tiny shapes."""
     x_ = shapes
     rows = []
+    label = f"pallas ({backend})"
 
     def pair(op, **kw):
-        return (lambda *a: op(*a, implementation="pallas", interpret=interpret, **kw),
+        return (lambda *a: op(*a, implementation=backend, interpret=interpret, **kw),
                 lambda *a: op(*a, implementation="reference", **kw))
 
     for name, num_seqs, kv_len, group_len in x_.attention:
@@ -195,7 +199,7 @@ def bench_gpu(repeats, shapes=GpuShapes(), interpret=False):
         rows.append(_gpu_row(
             f"paged attention ({name})",
             f"N={num_seqs} L={group_len} kv_len={kv_len} Hq={x_.hq} Hkv={x_.hkv} D={x_.d} bs={x_.block_size}",
-            *pair(ops.paged_attention, sm_scale=x_.d ** -0.5), args, kv_bytes + io_bytes, repeats))
+            *pair(ops.paged_attention, sm_scale=x_.d ** -0.5), args, kv_bytes + io_bytes, repeats, label))
 
     state_bytes = x_.hv * x_.dk * x_.dv * 4
     r = sequence_groups(x_.num_seqs, x_.seq_len, x_.c)
@@ -212,7 +216,7 @@ def bench_gpu(repeats, shapes=GpuShapes(), interpret=False):
         f"{x_.num_seqs}x{x_.seq_len} tokens Hk={x_.hk} Hv={x_.hv} dk={x_.dk} dv={x_.dv} C={x_.c} bf16",
         lambda q, k, v, g, beta, s: kernel(q, k, v, g, beta, r["length"], s, *row_args),
         lambda q, k, v, g, beta, s: reference(q, k, v, g, beta, r["length"], s, *row_args),
-        (q, k, v, g, beta, state), gdr_bytes, repeats))
+        (q, k, v, g, beta, state), gdr_bytes, repeats, label))
 
     b = x_.batch
     q, k, v, g, beta = gdr_tensors(jax.random.PRNGKey(2), (b,), x_.hk, x_.hv, x_.dk, x_.dv, jnp.bfloat16)
@@ -224,7 +228,7 @@ def bench_gpu(repeats, shapes=GpuShapes(), interpret=False):
     rows.append(_gpu_row(
         "recurrent gated delta rule", f"N={b} Hk={x_.hk} Hv={x_.hv} dk={x_.dk} dv={x_.dv}",
         lambda *a: kernel(*a, live, live, no_capture), lambda *a: reference(*a, live, live, no_capture),
-        (q, k, v, g, beta, state), rec_bytes, repeats))
+        (q, k, v, g, beta, state), rec_bytes, repeats, label))
 
     conv_dim, width = 2 * x_.hk * x_.dk + x_.hv * x_.dv, x_.width
     x = jax.random.normal(jax.random.PRNGKey(4), (n, x_.c, conv_dim), jnp.bfloat16)
@@ -236,7 +240,7 @@ def bench_gpu(repeats, shapes=GpuShapes(), interpret=False):
         "causal conv1d chunked", f"{x_.num_seqs}x{x_.seq_len} tokens D={conv_dim} K={width} bf16",
         lambda x, w, s: kernel(x, w, s, r["length"], *row_args),
         lambda x, w, s: reference(x, w, s, r["length"], *row_args),
-        (x, weight, conv_state), conv_bytes, repeats))
+        (x, weight, conv_state), conv_bytes, repeats, label))
 
     x = jax.random.normal(jax.random.PRNGKey(6), (b, conv_dim), jnp.bfloat16)
     conv_state = jax.random.normal(jax.random.PRNGKey(7), (b + 1, width - 1, conv_dim), jnp.bfloat16)
@@ -246,7 +250,7 @@ def bench_gpu(repeats, shapes=GpuShapes(), interpret=False):
         "causal conv1d update", f"N={b} D={conv_dim} K={width} bf16",
         lambda x, w, s: kernel(x, w, s, live, live, no_capture),
         lambda x, w, s: reference(x, w, s, live, live, no_capture),
-        (x, weight, conv_state), upd_bytes, repeats))
+        (x, weight, conv_state), upd_bytes, repeats, label))
     return rows
 
 
@@ -273,6 +277,8 @@ def main(argv=None):
     p.add_argument("--value-heads", type=int, default=16)
     p.add_argument("--key-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64, help="CPU delta-rule dk = dv")
+    p.add_argument("--backend", default="pallas", choices=("pallas", "triton", "mosaic"),
+                   help="--gpu kernels: pallas = the device's automatic choice (pallas_kernels/backend_choice.py)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", type=Path, help="also write the result rows to this file")
     args = p.parse_args(argv)
@@ -280,7 +286,7 @@ def main(argv=None):
     if args.gpu:
         if jax.default_backend() != "gpu":
             p.error(f"--gpu needs a GPU backend; jax sees {jax.default_backend()!r}")
-        rows = bench_gpu(args.repeats)
+        rows = bench_gpu(args.repeats, backend=args.backend)
     else:
         rows = bench_cpu_gdr(args.tokens, args.value_heads, args.key_heads, args.head_dim, args.head_dim, 64,
                              args.repeats)

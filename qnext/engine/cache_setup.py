@@ -144,9 +144,9 @@ def make_cache(cfg: ModelConfig, c: EngineConfig, sizes: CacheSizes, mesh=None,
 
 
 def prefix_cache_fingerprint(cfg: ModelConfig, c: EngineConfig, weights_digest: str) -> dict:
-    """What a persisted cache is bound to (cache/fingerprint.py): the model config (its kernels' backend aside), the
+    """What a persisted cache is bound to (cache/fingerprint.py): the model config (its kernels' backends aside), the
     weights' digest, the dtype, the block size and the cache layout's version."""
-    config = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "backend"}
+    config = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("backend", "gpu_kernels")}
     return cache_fingerprint(config, weights_digest, c.dtype, c.block_size)
 
 

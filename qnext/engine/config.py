@@ -29,6 +29,8 @@ class EngineConfig:
     kv_offloading_size: float = 0.0           # GiB of host RAM for the cache's host tier (evicted KV blocks and
                                               # snapshots); 0: evictions are dropped (docs/cache.md)
     prefix_cache_dir: str | os.PathLike | None = None   # the prefix cache is written here at close(), read at start
+    gpu_kernel_backend: str = "auto"          # Pallas GPU kernels: "auto" (Mosaic GPU on Hopper with JAX >= 0.10.2,
+                                              # else Triton), "mosaic" or "triton" (pallas_kernels/backend_choice.py)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk", "num_scheduler_steps",
@@ -56,6 +58,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a non-negative integer or None, got {value!r}")
         if not isinstance(self.kv_offloading_size, (int, float)) or self.kv_offloading_size < 0:
             raise ValueError(f"kv_offloading_size must be a number of GiB >= 0, got {self.kv_offloading_size!r}")
+        if self.gpu_kernel_backend not in ("auto", "mosaic", "triton"):
+            raise ValueError(f"gpu_kernel_backend must be 'auto', 'mosaic' or 'triton', got {self.gpu_kernel_backend!r}")
         if self.prefix_cache_dir is not None and not isinstance(self.prefix_cache_dir, (str, os.PathLike)):
             raise ValueError(f"prefix_cache_dir must be a path, got {self.prefix_cache_dir!r}")
 

@@ -10,6 +10,7 @@ a new engine on the same directory and the same model loads it at start (docs/ca
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import gc
 import logging
 import threading
@@ -97,6 +98,9 @@ class LLMEngine:
 
     def _start(self, config: EngineConfig, cfg: ModelConfig, params, tokenizer: Tokenizer | None) -> None:
         cfg = cfg.with_backend()             # kernels and layouts chosen once, for every layer and step
+        if cfg.backend == "gpu":             # Pallas Mosaic GPU or Triton, logged (pallas_kernels/backend_choice.py)
+            from pallas_kernels.backend_choice import resolve_gpu_kernel_backend
+            cfg = dataclasses.replace(cfg, gpu_kernels=resolve_gpu_kernel_backend(config.gpu_kernel_backend))
         self.config, self.model_config, self.tokenizer = config, cfg, tokenizer
         self.max_model_len = config.resolved_max_model_len(cfg)
         mesh = make_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
