@@ -106,7 +106,7 @@ def test_start_after_waits_for_the_exact_sequence(compiler, tok):
     trigger = tok.encode("</think>").ids + tok.encode("\n").ids
     state = StructuredState(compiler.compile(StructuredOutputsParams(regex="[0-9]+")), start_after=trigger)
     for t in tok.encode("some free text ").ids + trigger[:1] + tok.encode(" more").ids:
-        assert state.advance(t) and not state.active and not state.needs_mask
+        assert state.advance(t) and not state.active and state.needs_mask     # eos only (below)
     for t in trigger:
         assert state.advance(t)
     assert state.active and allowed(state) <= {tok.token_to_id(str(d)) for d in range(10)} | {
@@ -158,3 +158,15 @@ def test_library_bench_runs_on_a_synthetic_vocabulary():
     result = compare(tok, tok.token_to_id("<|endoftext|>"), libraries=("llguidance",), log=lambda msg: None)
     summary = result["llguidance"]
     assert summary["num_tokens"] > 20 and summary["mask_us_p50"] > 0 and summary["compile_ms"] > 0
+
+
+def test_eos_is_masked_while_waiting_for_start_after(compiler, tok):
+    # a forced call or schema after the reasoning: the request may not end before its grammar has started
+    eos = tiny_eos_token_id()
+    end = tok.token_to_id("</think>")
+    state = StructuredState(compiler.compile(StructuredOutputsParams(regex="[0-9]{2}")), [end])
+    assert state.needs_mask and not state.active
+    bits = fill_bitmask([(0, state)], 1, VOCAB, [eos])
+    allowed_ids = set(np.flatnonzero(np.unpackbits(bits[0].view(np.uint8), bitorder="little")[:VOCAB]).tolist())
+    assert allowed_ids == set(range(VOCAB)) - {eos}
+    assert state.advance(end) and state.active

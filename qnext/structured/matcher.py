@@ -42,7 +42,9 @@ class StructuredState:
 
     @property
     def needs_mask(self) -> bool:
-        return self.active and not self.matcher.is_stopped()
+        """Active and not done; or still waiting for start_after, when the mask only takes eos away (a request
+        whose output must end in a match may not end before its grammar has started)."""
+        return not self.active or not self.matcher.is_stopped()
 
     @property
     def is_complete(self) -> bool:
@@ -71,6 +73,8 @@ def fill_bitmask(rows: Sequence[tuple[int, StructuredState]], num_rows: int, voc
     it as text), so a constrained row samples one only where stopping leaves a full match."""
     global _executor
     bitmask = np.full((num_rows, bitmask_words(vocab_size)), -1, np.int32)
+    waiting = [(i, s) for i, s in rows if not s.active]      # before start_after: all tokens but eos
+    rows = [(i, s) for i, s in rows if s.active]
     if len(rows) >= PARALLEL_ROWS and (os.cpu_count() or 1) >= PARALLEL_CPUS:
         if _executor is None:
             _executor = llguidance.LLExecutor()
@@ -81,7 +85,7 @@ def fill_bitmask(rows: Sequence[tuple[int, StructuredState]], num_rows: int, voc
     eos = np.asarray([t for t in eos_token_ids if 0 <= t < vocab_size], np.int64)
     if eos.size:
         clear = ~(np.int64(1) << (eos & 31)).astype(np.uint32).view(np.int32)
-        for i, state in rows:
-            if not state.matcher.is_accepting():
+        for i, state in rows + waiting:
+            if not state.active or not state.matcher.is_accepting():
                 np.bitwise_and.at(bitmask[i], eos >> 5, clear)
     return bitmask
