@@ -15,7 +15,7 @@ Reports request throughput, output tokens/s, TTFT / TPOT / end-to-end latency p5
 prompt tokens served from the prefix cache (usage.prompt_tokens_details), as a table and as JSON (--json-out).
 
 --workload agent: tool-using sessions instead of chats (qnext/bench/agent_workload.py): a ~4k-token system prompt
-and 12 tool schemas shared by every session, 6 user turns of 2 forced tool calls each, reasoning on (bounded by
+and 12 tool schemas (~3k tokens more) shared by every session, 6 user turns of 2 forced tool calls each, reasoning on (bounded by
 thinking_token_budget) and dropped by the template at each new user turn. Adds how many forced calls validated
 against their schema and, per reason, which prompt tokens were computed rather than served from the cache.
 
@@ -39,7 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 CHAT_SERVER_ARGS = "--max-num-seqs 8 --max-num-batched-tokens 64 --max-model-len 512"
-AGENT_SERVER_ARGS = "--max-num-seqs 8 --max-num-batched-tokens 512 --max-model-len 8192"
+AGENT_SERVER_ARGS = "--max-num-seqs 8 --max-num-batched-tokens 1024 --max-model-len 16384"
 WORDS = ("the sea ship light keeper storm night wind wave harbour rock coast bell fog boat sailor map star north "
          "south tide rope lamp tower island bird rain cloud morning evening story old new small great quiet").split()
 
@@ -256,13 +256,13 @@ def valid_call(call: dict, tools_by_name: dict) -> bool:
         return False
 
 
-async def run_agent_load(base_url: str, model: str, args, seed: int) -> dict:
+async def run_agent_load(base_url: str, model: str, args, seed: int, earlier: list = ()) -> dict:
     from qnext.bench.agent_workload import AgentWorkload, SentRequest, explain_recompute, tool_result_message
     from qnext.bench.agent_workload import tool_schemas
 
     w = AgentWorkload(sessions=args.sessions, turns=args.agent_turns, calls_per_turn=args.calls_per_turn,
-                      system_tokens=args.system_tokens, num_tools=args.tools, max_tokens=args.max_tokens,
-                      seed=seed)
+                      system_tokens=args.system_tokens, num_tools=args.tools, max_tokens=args.call_max_tokens,
+                      thinking_token_budget=args.thinking_token_budget, seed=seed)
     tools = tool_schemas(w.num_tools)
     by_name = {t["function"]["name"]: t for t in tools}
     system = w.system_prompt(WORDS)
@@ -270,10 +270,10 @@ async def run_agent_load(base_url: str, model: str, args, seed: int) -> dict:
     finished_before: list[list[int]] = []
     finished: list[int] = []
     results: list[RequestResult] = []
-    num_valid = 0
+    num_valid, num_calls, invalid = 0, 0, []
 
     async def session(k: int, client: httpx.AsyncClient) -> None:
-        nonlocal num_valid
+        nonlocal num_valid, num_calls
         messages = [{"role": "system", "content": system}]
         for turn in range(w.turns):
             messages.append({"role": "user", "content": w.user_message(k, turn, WORDS)})
@@ -285,11 +285,15 @@ async def run_agent_load(base_url: str, model: str, args, seed: int) -> dict:
                 call = await agent_call(client, body, args.request_timeout)
                 results.append(call.result)
                 sent[index] = SentRequest(call.prompt_ids, call.output_ids, call.result.cached_tokens,
-                                          call.result.recomputed_tokens)
+                                          call.result.recomputed_tokens, session=k)
                 finished.append(index)
                 if not call.result.ok:
                     return
-                num_valid += sum(valid_call(tc, by_name) for tc in call.tool_calls)
+                for tc in call.tool_calls:
+                    ok = valid_call(tc, by_name)
+                    num_valid, num_calls = num_valid + ok, num_calls + 1
+                    if not ok:
+                        invalid.append(tc["function"])
                 messages.append({"role": "assistant", "content": call.content, "tool_calls": call.tool_calls,
                                  **({"reasoning_content": call.reasoning} if call.reasoning else {})})
                 messages.extend(tool_result_message(tc, turn) for tc in call.tool_calls)
@@ -309,20 +313,25 @@ async def run_agent_load(base_url: str, model: str, args, seed: int) -> dict:
             t.cancel()
         duration = time.perf_counter() - start
     done = [i for i in finished if sent[i].prompt_ids]
-    reasons = explain_recompute([sent[i] for i in done], [[j for j in finished_before[i] if j in set(done)]
-                                                          for i in done], args.block_size)
-    return {"results": results, "duration": duration, "tool_calls_valid": num_valid, "recompute": reasons}
+    position = {i: k for k, i in enumerate(done)}
+    reasons = explain_recompute([sent[i] for i in done], [[position[j] for j in finished_before[i] if j in position]
+                                                          for i in done], args.block_size, earlier)
+    return {"results": results, "duration": duration, "tool_calls_valid": num_valid, "tool_calls": num_calls,
+            "invalid_calls": invalid[:5], "recompute": reasons,
+            "per_request": [dict(prompt=len(sent[i].prompt_ids), **sent[i].reasons) for i in done],
+            "sent": [sent[i] for i in done]}
 
 
 def agent_table(summaries: list[dict]) -> str:
     head = (f"{'run':<16}{'reqs':>6}{'fail':>5}{'valid calls':>12}{'prompt tok':>11}{'cached':>8}"
-            f"{'TTFT p50/p90 ms':>18}{'new':>8}{'straddle':>9}{'no state':>9}{'other':>7}")
+            f"{'TTFT p50/p90 ms':>18}{'appended':>9}{'rerendered':>11}{'straddle':>9}{'no state':>9}{'other':>7}")
     lines = [head, "-" * len(head)]
     for s in summaries:
         r = s["recompute"]
         lines.append(f"{s['run']:<16}{s['requests']:>6}{s['failed']:>5}{s['tool_calls_valid']:>12}"
                      f"{s['prompt_tokens']:>11}{s['cache_hit_rate']:>8.1%}"
-                     f"{s['ttft_p50_ms']:>10.0f}/{s['ttft_p90_ms']:<7.0f}{r['new']:>8}{r['straddle']:>9}"
+                     f"{s['ttft_p50_ms']:>10.0f}/{s['ttft_p90_ms']:<7.0f}{r['appended']:>9}{r['rerendered']:>11}"
+                     f"{r['straddle']:>9}"
                      f"{r['missing_state']:>9}{r['other']:>7}")
     return "\n".join(lines)
 
@@ -332,10 +341,11 @@ async def bench_one(base_url: str, label: str, args) -> dict:
         model = (await c.get("/v1/models")).json()["data"][0]["id"]
     if args.workload == "agent":
         warm = argparse.Namespace(**{**vars(args), "sessions": 1, "agent_turns": 2})
-        await run_agent_load(base_url, model, warm, seed=args.seed + 1)        # compile paths, not timed
-        run = await run_agent_load(base_url, model, args, seed=args.seed)
+        warm_run = await run_agent_load(base_url, model, warm, seed=args.seed + 1)    # compile paths, not timed
+        run = await run_agent_load(base_url, model, args, seed=args.seed, earlier=warm_run["sent"])
         summary = summarize(label, run["results"], run["duration"])
-        summary.update(tool_calls_valid=run["tool_calls_valid"], recompute=run["recompute"])
+        summary.update({k: run[k] for k in ("tool_calls_valid", "tool_calls", "invalid_calls", "recompute",
+                                             "per_request")})
         return summary
     warm = argparse.Namespace(**{**vars(args), "conversations": 2, "seed": args.seed + 1})
     await run_load(base_url, model, make_conversations(warm), warm)       # compile sampler paths, not timed
@@ -368,6 +378,8 @@ def parse_args(argv=None):
     p.add_argument("--calls-per-turn", type=int, default=2, help="agent: forced tool calls per user turn")
     p.add_argument("--system-tokens", type=int, default=4000, help="agent: about this many system prompt tokens")
     p.add_argument("--tools", type=int, default=12, help="agent: tool schemas in every request")
+    p.add_argument("--call-max-tokens", type=int, default=192, help="agent: max_tokens of a forced-call request")
+    p.add_argument("--thinking-token-budget", type=int, default=16, help="agent: reasoning tokens per request")
     return p.parse_args(argv)
 
 

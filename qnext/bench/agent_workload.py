@@ -9,7 +9,10 @@ assistant header; the later calls of a turn only extend the conversation.
 
 Why a prompt token was not served from the cache, per request (`explain_recompute`):
 - new: after the longest common prefix with any sequence (prompt + output) the server had finished before this
-  request was sent: text the cache has never seen;
+  request was sent: text the cache has never seen. Split in two: `appended`, when the prompt extends the
+  session's previous prompt + output (the tool result, the next user message, the generation prompt), and
+  `rerendered`, when it does not (a new user turn: the template re-renders the history without the old reasoning,
+  so everything after the first dropped `<think>` is new to the cache);
 - straddle: inside the block that straddles that divergence point (KV is cached in whole blocks), plus the last
   prompt token, which is always computed;
 - missing_state: KV matched but recomputed for want of a state snapshot (the server's `recomputed_tokens`);
@@ -67,8 +70,9 @@ class AgentWorkload:
 
     def system_prompt(self, words: tuple[str, ...]) -> str:
         rng = random.Random(self.seed)
-        # ~1.3 tokens per word for the demo tokenizer's vocabulary: the server reports the real count
-        body = " ".join(rng.choice(words) for _ in range(int(self.system_tokens / 1.3)))
+        # the tiny test tokenizer splits these words into ~2.9 tokens each (measured); the server reports the
+        # real count, and the 12 tool schemas add ~3k tokens more
+        body = " ".join(rng.choice(words) for _ in range(int(self.system_tokens / 2.9)))
         return "You are a coding agent. Use the tools to do the user's task step by step.\n" + body
 
     def user_message(self, session: int, turn: int, words: tuple[str, ...]) -> str:
@@ -95,7 +99,7 @@ class SentRequest:
     output_ids: list[int]
     cached: int
     missing_state: int
-    sent_after: int = 0          # index of the first request that had NOT finished when this one was sent
+    session: int = -1
     reasons: dict = field(default_factory=dict)
 
 
@@ -107,18 +111,24 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def explain_recompute(requests: list[SentRequest], finished_before: list[list[int]], block_size: int) -> dict:
+def explain_recompute(requests: list[SentRequest], finished_before: list[list[int]], block_size: int,
+                      earlier: list[SentRequest] = ()) -> dict:
     """Sums, over all requests, the prompt tokens served from the cache and the tokens computed, by reason (see
     the module docstring). `finished_before[i]`: indices of the requests that had finished when request i was
-    sent."""
-    totals = {"prompt": 0, "cached": 0, "new": 0, "straddle": 0, "missing_state": 0, "other": 0}
+    sent; `earlier`: requests that finished before all of them (a warm-up)."""
+    totals = {"prompt": 0, "cached": 0, "new": 0, "appended": 0, "rerendered": 0, "straddle": 0,
+              "missing_state": 0, "other": 0}
     for i, r in enumerate(requests):
         n = len(r.prompt_ids)
-        seen = max((common_prefix(r.prompt_ids, requests[j].prompt_ids + requests[j].output_ids)
-                    for j in finished_before[i]), default=0)
+        before = [requests[j] for j in finished_before[i]] + list(earlier)
+        seen = max((common_prefix(r.prompt_ids, b.prompt_ids + b.output_ids) for b in before), default=0)
         seen = min(seen, n)
         reusable = (min(seen, n - 1) // block_size) * block_size
-        r.reasons = {"new": n - seen, "straddle": seen - reusable, "cached": r.cached,
+        previous = next((requests[j] for j in range(i - 1, -1, -1) if requests[j].session == r.session), None)
+        extends = previous is not None and r.prompt_ids[:len(previous.prompt_ids) + len(previous.output_ids)] \
+            == previous.prompt_ids + previous.output_ids
+        r.reasons = {"new": n - seen, "appended": (n - seen) if extends else 0,
+                     "rerendered": 0 if extends else n - seen, "straddle": seen - reusable, "cached": r.cached,
                      "missing_state": r.missing_state,
                      "other": max(reusable - r.cached - r.missing_state, 0)}
         totals["prompt"] += n
