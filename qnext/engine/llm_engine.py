@@ -9,6 +9,7 @@ a new engine on the same directory and the same model loads it at start (docs/ca
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
@@ -138,6 +139,9 @@ class LLMEngine:
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         validate_prompt(token_ids, params, self.model_config.vocab_size, self.max_model_len)
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} samples run together, but max_num_seqs is {self.config.max_num_seqs}; "
+                             "ask for fewer or raise max_num_seqs")
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
         if self._closed:
@@ -148,20 +152,43 @@ class LLMEngine:
         self.validate(token_ids, params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        detokenizer = IncrementalDetokenizer(self.tokenizer, params) if self.tokenizer is not None else None
-        seq = Sequence(request_id, [int(t) for t in token_ids], params, self._request_counter, prompt=text,
-                       detokenizer=detokenizer)
-        self._request_counter += 1
+        token_ids = [int(t) for t in token_ids]
+        samples = [self._sample_sequence(request_id, token_ids, text, params, i) for i in range(params.n)]
+        seq = samples[0]
+        if params.n > 1:          # one admission and prefill; the others are forked after it (docs/engine.md)
+            for sample in samples:
+                sample.group = samples
+            seq.pending_forks = samples[1:]
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         self.stats.num_prompt_tokens += len(token_ids)
 
+    def _sample_sequence(self, request_id: str, token_ids: list[int], text, params: SamplingParams,
+                         index: int) -> Sequence:
+        """Sample `index` of a request: its own id inside the engine, and its own seed stream (seed + index, as
+        vLLM; unseeded, its own arrival index)."""
+        if params.n > 1:
+            seed = None if params.seed is None else params.seed + index
+            params = dataclasses.replace(params, n=1, seed=seed)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params) if self.tokenizer is not None else None
+        seq = Sequence(request_id if index == 0 else f"{request_id}#{index}", token_ids, params,
+                       self._request_counter, prompt=text, detokenizer=detokenizer, index=index)
+        self._request_counter += 1
+        return seq
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Aborts every unfinished sample of the request; None if it is unknown or finished."""
         seq = self.requests.get(request_id)
-        if seq is None or seq.is_finished:
+        if seq is None:
             return None
-        self.scheduler.abort(seq)
-        self.runner.free(request_id)
+        samples = seq.group or [seq]
+        if all(s.is_finished for s in samples):
+            return None
+        seq.pending_forks = []                  # samples not forked yet are finished below, never admitted
+        for sample in samples:
+            if not sample.is_finished:
+                self.scheduler.abort(sample)
+                self.runner.free(sample.request_id)
         return request_output(seq)
 
     def has_unfinished_requests(self) -> bool:
@@ -240,21 +267,23 @@ class LLMEngine:
         for seq in updated:
             if seq.is_finished:
                 self.runner.free(seq.request_id)
-        outputs = [request_output(seq) for seq in updated]
+        outputs = [request_output(seq) for seq in dict.fromkeys(seq.first for seq in updated)]
         t3 = time.perf_counter()
         s = self.stats
         s.num_steps += 1
         s.num_scheduled_sequences += len(plan.items)
         s.num_scheduled_tokens += sum(len(it.segment.token_ids) for it in plan.items)
+        s.num_prefill_tokens += sum(max(0, min(it.end, len(it.seq.prompt_token_ids)) - it.start) for it in plan.items)
         s.num_generated_tokens += generated
         s.schedule_seconds += t1 - t0
         s.postprocess_seconds += t3 - t2
         s.step_seconds += t3 - t0
         return outputs
 
-    def stream_text(self, request_id: str) -> str:
-        """Text generated since the last call for this request (for streaming)."""
+    def stream_text(self, request_id: str, index: int = 0) -> str:
+        """Text generated since the last call for this request's sample `index` (for streaming)."""
         seq = self.requests[request_id]
+        seq = seq.group[index] if seq.group else seq
         return seq.detokenizer.get_next_output_text(seq.is_finished, delta=True) if seq.detokenizer else ""
 
     def release(self, request_id: str) -> None:

@@ -52,6 +52,14 @@ def _sampling_rows(items: list[ScheduledSequence]) -> list[SamplingRow]:
                         it.seq.request_index) for it in items]
 
 
+def _drawing(plan: StepPlan) -> list[tuple[int, ScheduledSequence]]:
+    """(logits row, item) of every token this step draws: each sampling item, then the forks that draw their
+    first token from a sampling item's logits (n > 1; one row per sample, each with its own seed stream)."""
+    sampling = [(i, it) for i, it in enumerate(plan.items) if it.samples]
+    forks = [(i, ScheduledSequence(child, it.segment, True)) for i, it in sampling for child in it.forks]
+    return sampling + forks
+
+
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, config: EngineConfig, buckets: BucketTable, stats: EngineStats):
         self.cfg = cfg
@@ -81,7 +89,7 @@ class ModelRunner:
         return result
 
     def _sample(self, plan: StepPlan, logits, greedy) -> dict[str, SampledToken]:
-        sampling = [(i, it) for i, it in enumerate(plan.items) if it.samples]
+        sampling = _drawing(plan)
         if not sampling:
             return {}
         rows = _sampling_rows([it for _, it in sampling])
@@ -89,7 +97,7 @@ class ModelRunner:
             tokens = np.asarray(greedy).tolist()     # (jax.device_get costs ~40 us more a step)
             # logprob 0 and rank 1, as the sampler reports without logprobs
             return {it.seq.request_id: SampledToken(tokens[i], 0.0, 1, None, None) for i, it in sampling}
-        num_rows = plan.bucket.sizes.num_logits
+        num_rows = max(plan.bucket.sizes.num_logits, 1 << (len(sampling) - 1).bit_length())   # forks: more rows
         index = np.zeros(num_rows, np.int32)
         index[:len(sampling)] = [i for i, _ in sampling]
         tensors, num_logprobs = self.sampler_inputs.build(rows, num_rows)
