@@ -247,7 +247,8 @@ class LLMEngine:
         return self.scheduler.cache_usage()
 
     def running_request_ids(self) -> list[str]:
-        return [seq.request_id for seq in self.scheduler.running]
+        """The requests with a running sample (a request's n samples once)."""
+        return list(dict.fromkeys(seq.first.request_id for seq in self.scheduler.running))
 
     # ---- the step --------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 from typing import AsyncIterator
 
 import jinja2
@@ -52,7 +53,8 @@ class OpenAIServing:
         out, token_ids, logprobs = await collect(stream, request)
         if out is None:
             return Response(status_code=499)
-        lp = R.completion_logprobs(token_ids, logprobs, params.logprobs) if params.logprobs is not None else None
+        lp = [R.completion_logprobs(token_ids[c.index], logprobs[c.index], params.logprobs)
+              if params.logprobs is not None else None for c in out.outputs]
         return JSONResponse(R.completion_body(env, out, lp, req.return_token_ids))
 
     async def chat_completions(self, request: Request) -> Response:
@@ -70,7 +72,8 @@ class OpenAIServing:
         out, token_ids, logprobs = await collect(stream, request)
         if out is None:
             return Response(status_code=499)
-        lp = R.chat_logprobs(token_ids, logprobs, params.logprobs) if params.logprobs is not None else None
+        lp = [R.chat_logprobs(token_ids[c.index], logprobs[c.index], params.logprobs)
+              if params.logprobs is not None else None for c in out.outputs]
         return JSONResponse(R.chat_body(env, out, lp, req.return_token_ids))
 
     # ---- the request side: prompt, checks, admission -------------------------------------------------------
@@ -124,31 +127,32 @@ class OpenAIServing:
     # ---- streams -------------------------------------------------------------------------------------------
     async def _completion_events(self, stream: RequestStream, env: R.Envelope, k: int | None,
                                  req: CompletionRequest) -> AsyncIterator[str]:
-        text_offset = 0
+        text_offset = {}                    # per choice
         async for d in stream:
             lp = None
             if k is not None and d.logprobs:
-                lp = R.completion_logprobs(d.token_ids, d.logprobs, k, text_offset)
-                text_offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
-            finish = d.output.outputs[0].finish_reason if d.output.finished else None
+                lp = R.completion_logprobs(d.token_ids, d.logprobs, k, text_offset.get(d.index, 0))
+                text_offset[d.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            finish = d.output.outputs[d.index].finish_reason
             ids = d.token_ids if req.return_token_ids else None
             if d.text or lp or finish or ids:
-                yield R.sse(R.completion_chunk(env, d.text, lp, finish, req.include_usage, ids))
-            if d.output.finished and req.include_usage:
+                yield R.sse(R.completion_chunk(env, d.text, lp, finish, req.include_usage, ids, d.index))
+            if d.final and req.include_usage:
                 yield R.sse(R.usage_chunk(env, "text_completion", d.output))
 
     async def _chat_events(self, stream: RequestStream, env: R.Envelope, k: int | None,
                            req: ChatCompletionRequest) -> AsyncIterator[str]:
-        yield R.sse(R.chat_chunk(env, {"role": "assistant", "content": ""}, None, None, req.include_usage,
-                                 [] if req.return_token_ids else None))
+        for index in range(req.n):
+            yield R.sse(R.chat_chunk(env, {"role": "assistant", "content": ""}, None, None, req.include_usage,
+                                     [] if req.return_token_ids else None, index))
         async for d in stream:
             lp = R.chat_logprobs(d.token_ids, d.logprobs, k) if k is not None and d.logprobs else None
-            finish = d.output.outputs[0].finish_reason if d.output.finished else None
+            finish = d.output.outputs[d.index].finish_reason
             ids = d.token_ids if req.return_token_ids else None
             if d.text or lp or finish or ids:
                 delta = {"content": d.text} if d.text else {}
-                yield R.sse(R.chat_chunk(env, delta, lp, finish, req.include_usage, ids))
-            if d.output.finished and req.include_usage:
+                yield R.sse(R.chat_chunk(env, delta, lp, finish, req.include_usage, ids, d.index))
+            if d.final and req.include_usage:
                 yield R.sse(R.usage_chunk(env, "chat.completion.chunk", d.output))
 
 
@@ -181,16 +185,16 @@ async def _terminated(events: AsyncIterator[str], stream: RequestStream) -> Asyn
 
 
 async def collect(stream: RequestStream, request: Request
-                  ) -> tuple[RequestOutput | None, list[int], list]:
-    """Runs a non-streamed request to its end -> (final output, token ids, logprob entries). Aborts it and returns
-    (None, ...) if the client disconnects first; an engine failure raises a 500."""
-    token_ids, logprobs, final = [], [], []
+                  ) -> tuple[RequestOutput | None, dict[int, list[int]], dict[int, list]]:
+    """Runs a non-streamed request to its end -> (final output, token ids and logprob entries per choice index).
+    Aborts it and returns (None, ...) if the client disconnects first; an engine failure raises a 500."""
+    token_ids, logprobs, final = collections.defaultdict(list), collections.defaultdict(list), []
 
     async def drain():
         async for d in stream:
-            token_ids.extend(d.token_ids)
-            logprobs.extend(d.logprobs or [])
-            if d.output.finished:
+            token_ids[d.index].extend(d.token_ids)
+            logprobs[d.index].extend(d.logprobs or [])
+            if d.final:
                 final.append(d.output)
 
     task = asyncio.ensure_future(drain())
