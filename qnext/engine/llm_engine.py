@@ -19,6 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from cache.fingerprint import files_digest_memoized
+from cache.fork_copies import warm_up_fork_copies
 from cache.persisted_cache import save_prefix_cache
 from qnext.config import ModelConfig
 from qnext.engine.cache_setup import cache_sizes, make_cache, params_weights_digest, prefix_cache_fingerprint
@@ -116,6 +117,7 @@ class LLMEngine:
         """Compiles every step shape (and the common sampler variants); after it a workload compiles nothing.
         Returns the number of shapes."""
         buffers = self.runner.warm_up(self.scheduler.lend_buffers(), on_bucket)
+        buffers = warm_up_fork_copies(buffers, max(1, self.config.max_num_seqs - 1))     # n > 1 (cache/forks.py)
         if self.scheduler.host_buffers is not None:           # and the copies between the tiers
             buffers = self.scheduler.host_buffers.warm_up(buffers)
         self.scheduler.return_buffers(buffers)
