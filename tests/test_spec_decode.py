@@ -11,7 +11,8 @@ from scipy.stats import chisquare
 
 from qnext.engine.spec_decode import accept_greedy, accept_sampled
 
-V, K = 7, 3
+V, K, N = 7, 3, 40_000          # N rows per sampled run: one shape, one compilation
+_accept_greedy = jax.jit(accept_greedy)
 
 
 def toy_target(context: list[int]) -> np.ndarray:
@@ -35,7 +36,7 @@ def speculative_greedy(prompt: list[int], steps: int, draft) -> tuple[list[int],
         for _ in range(K):
             drafts.append(draft(out + drafts))
         logits = np.stack([toy_target(out + drafts[:i]) for i in range(K + 1)])
-        acc = accept_greedy(jnp.asarray([drafts]), jnp.asarray(logits[None]))
+        acc = _accept_greedy(jnp.asarray([drafts]), jnp.asarray(logits[None]))
         n = int(acc.num_emitted[0])
         out += np.asarray(acc.tokens[0, :n]).tolist()
         accepted_counts.append(int(acc.num_accepted[0]))
@@ -67,7 +68,12 @@ def _distributions(seed: int):
     return p, q
 
 
-def _run(p, q, n: int, seed: int, accept=accept_sampled):
+@jax.jit
+def _accept_sampled(drafts, q, p, key):
+    return accept_sampled(drafts, q, p, key)
+
+
+def _run(p, q, n: int, seed: int, accept=_accept_sampled):
     key_d, key_a = jax.random.split(jax.random.key(seed))
     drafts = jax.random.categorical(key_d, jnp.log(jnp.asarray(q))[None].repeat(n, 0), axis=-1)   # [n, K]
     return accept(drafts.astype(jnp.int32), jnp.broadcast_to(q, (n, K, V)), jnp.broadcast_to(p, (n, K + 1, V)),
@@ -78,8 +84,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
     """Token j of a row that got that far is drawn from the target's p_{j+1} (the toy target's positions are
     independent of the context), for j = 0 (the first, always emitted) up to the bonus token after K accepts."""
     p, q = _distributions(0)
-    n = 40_000
-    acc = jax.jit(_run, static_argnums=(2, 3))(p, q, n, 1)
+    acc = _run(p, q, N, 1)
     tokens, emitted = np.asarray(acc.tokens), np.asarray(acc.num_emitted)
     for j in range(K + 1):
         got = tokens[emitted > j, j]
@@ -97,14 +102,14 @@ def test_the_chi_square_check_catches_a_biased_rule():
         return tokens, None, jnp.full(drafts.shape[0], K + 1)
 
     p, q = _distributions(0)
-    tokens, _, _ = _run(p, q, 40_000, 1, accept=accept_all)
+    tokens, _, _ = _run(p, q, N, 1, accept=accept_all)
     counts = np.bincount(np.asarray(tokens)[:, 0], minlength=V)
     assert chi2_pvalue(counts, p[0]) < 1e-6
 
 
 def test_sampled_acceptance_with_the_target_as_draft_accepts_everything():
     p, _ = _distributions(2)
-    acc = _run(p, p[:K], 2000, 3)
+    acc = _run(p, p[:K], N, 3)
     assert np.all(np.asarray(acc.num_accepted) == K)
 
 
@@ -114,7 +119,7 @@ def test_sampled_acceptance_rejects_drafts_the_target_rules_out():
     p /= p.sum(-1, keepdims=True)
     q = np.zeros_like(q)
     q[:, 0] = 1.0                                                    # ... which the draft always proposes
-    acc = _run(p, q, 4000, 5)
+    acc = _run(p, q, N, 5)
     assert np.all(np.asarray(acc.num_accepted) == 0)
     first = np.asarray(acc.tokens)[:, 0]
     assert np.all(first != 0)
