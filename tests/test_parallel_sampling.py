@@ -84,9 +84,10 @@ def test_aborting_one_sample_leaves_the_others_intact(llm):
     assert resources(llm) == before
 
 
-def test_preempted_samples_continue_as_before(tiny_checkpoint):
-    """A KV cache too small for all four samples at once: the newest are preempted (recomputed later from the
-    prefix cache) and every sample still equals the run with room to spare."""
+def test_prefix_cache_hit_and_preempted_samples_continue_as_before(tiny_checkpoint):
+    """With prefix caching on, a second n=4 request of the prompt hits the cache and samples the same; a KV cache
+    too small for all four samples at once preempts the newest (recomputed later from the prefix cache) and every
+    sample still equals the run with room to spare."""
     want = None
     for blocks in (None, 10):
         llm = LLM(tiny_checkpoint("qwen3_5"), num_gpu_blocks_override=blocks, **{**OPTIONS, "max_model_len": 64})
@@ -94,6 +95,12 @@ def test_preempted_samples_continue_as_before(tiny_checkpoint):
         tokens = [c.token_ids for c in out.outputs]
         if want is None:
             want = tokens
+            admissions = llm.engine.cache_stats.admissions
+            again = llm.generate(PROMPT, SamplingParams(n=4, temperature=1.0, max_tokens=24, seed=3,
+                                                        ignore_eos=True))[0]
+            assert again.num_cached_tokens > 0                        # the prompt was published (once) ...
+            assert llm.engine.cache_stats.admissions == admissions + 1    # ... and a group is one admission
+            assert [c.token_ids for c in again.outputs] == want
         else:
             assert llm.engine.scheduler.num_preemptions > 0
             assert tokens == want
