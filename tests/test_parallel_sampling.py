@@ -120,3 +120,10 @@ def test_stream_yields_each_samples_text(llm):
 def test_n_larger_than_max_num_seqs_is_refused(llm):
     with pytest.raises(ValueError, match="max_num_seqs"):
         llm.generate(PROMPT, SamplingParams(n=9))
+
+
+def test_samples_equal_with_several_decode_steps_per_call(llm, tiny_checkpoint):
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=21, ignore_eos=True)
+    want = [c.token_ids for c in llm.generate(PROMPT, params)[0].outputs]
+    multi = LLM(tiny_checkpoint("qwen3_5"), enable_prefix_caching=False, num_scheduler_steps=4, **OPTIONS)
+    assert [c.token_ids for c in multi.generate(PROMPT, params)[0].outputs] == want
