@@ -13,6 +13,7 @@ import weakref
 from typing import Hashable, Sequence
 
 from cache.block_pool import BlockPool
+from cache.forks import ForkCopies, ForkSupport
 from cache.config import CacheConfig
 from cache.hashing import BlockHashFn, block_hashes, extend_block_hashes, hash_block_tokens
 from cache.host_blocks import HostBlock
@@ -32,7 +33,7 @@ def _weak_method(method):
     return lambda *args: ref()(*args)
 
 
-class CacheManager(SnapshotLifecycle):
+class CacheManager(SnapshotLifecycle, ForkSupport):
     _buffers = None                 # the device buffers between steps (attach_buffers)
 
     def __init__(self, config: CacheConfig, policy: CachePolicy | None = None,
@@ -54,6 +55,7 @@ class CacheManager(SnapshotLifecycle):
                                       on_evict=_weak_method(self._on_snapshot_evicted))
         self._free_slots = list(range(config.num_live_slots, 0, -1))
         self._seqs: dict[Hashable, SequenceRecord] = {}
+        self._fork_copies = ForkCopies()     # queued by fork(), run before the next step (cache/forks.py)
 
     # ---- queries --------------------------------------------------------------------------------------------------
     @property
@@ -106,14 +108,16 @@ class CacheManager(SnapshotLifecycle):
         return bool(self._free_slots) and -(-prompt_len // self.config.block_size) <= self.blocks.num_available
 
     # ---- admission ------------------------------------------------------------------------------------------------
-    def admit(self, seq_id, prompt_token_ids: Sequence[int]) -> Admission | None:
-        """None when no slot or not enough blocks: the cache is then left exactly as it was (retry later)."""
+    def admit(self, seq_id, prompt_token_ids: Sequence[int], num_forks: int = 0) -> Admission | None:
+        """None when no slot or not enough blocks: the cache is then left exactly as it was (retry later).
+        num_forks: live rows and blocks reserved for that many `fork`s after the prompt (cache/forks.py)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already admitted; free it first")
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError(f"sequence {seq_id!r} has an empty prompt")
-        if not self._free_slots:
+        fork_rows, fork_blocks = self._fork_needs(n, num_forks)
+        if len(self._free_slots) < 1 + fork_rows:
             self.stats.admission_failures += 1
             return None
         bs = self.config.block_size
@@ -128,7 +132,7 @@ class CacheManager(SnapshotLifecycle):
         depth = self._resolve(hashes, matched, on_host)
         shared, loaded = matched[:depth], on_host[:max(0, depth - len(matched))]
         num_fresh = -(-n // bs) - len(shared)
-        if not self.blocks.can_allocate(num_fresh, shared=shared):
+        if not self.blocks.can_allocate(num_fresh + fork_blocks, shared=shared):
             self.stats.admission_failures += 1
             return None
         state_row = self._free_slots.pop()
@@ -162,6 +166,7 @@ class CacheManager(SnapshotLifecycle):
             seq.capture_plan = [p for p in self.policy.capture_positions(self.config, n, kv_matched, depth)
                                 if depth * bs < p <= n and not self._has_snapshot(hashes[p // bs - 1])]
         self._seqs[seq_id] = seq
+        self._reserve_forks(seq, num_forks)
         self._count_admission(seq, +1)
         self._track_peaks()
         return Admission(depth * bs, seq.block_table, seq.state_row,
@@ -258,6 +263,7 @@ class CacheManager(SnapshotLifecycle):
             elif self._register(seq, seq.decode_position, seq.decode_row):
                 self._on_superseded(seq)
         self._unpin(seq)
+        self._release_forks(seq)
         self.blocks.release(reversed(seq.block_table))
         self.blocks.release(self._twin_originals(seq))
         self._free_slots.append(seq.state_row)

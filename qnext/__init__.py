@@ -6,4 +6,14 @@ from qnext.outputs import CompletionOutput, Logprob, RequestOutput
 from qnext.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "CompletionOutput", "Logprob", "Model", "ModelConfig", "RequestOutput", "SamplingParams",
-           "StructuredOutputsParams", "load_model"]
+           "StructuredOutputsParams", "flax", "load_model"]
+
+
+def __getattr__(name: str):
+    """`qnext.flax` after a plain `import qnext` (the README's form), imported on first use: it pulls in Flax,
+    which the engine and the server do not need."""
+    if name == "flax":
+        import importlib
+
+        return importlib.import_module("qnext.flax")
+    raise AttributeError(f"module 'qnext' has no attribute {name!r}")

@@ -111,16 +111,18 @@ class LLM:
                                              **(chat_template_kwargs or {}))
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
-               ) -> Iterator[tuple[str, RequestOutput]]:
+               ) -> Iterator[tuple[str | list[str], RequestOutput]]:
         """Yields (new text, output so far) for one request after every engine step that generated for it: one
-        token, or up to num_scheduler_steps when decode steps run several to a call."""
+        token, or up to num_scheduler_steps when decode steps run several to a call. With n > 1 the new text is a
+        list, one entry per sample (out.outputs[i] is sample i)."""
         params = sampling_params or SamplingParams()
         request_id = self._add(self._encode(prompt, params), params)
         try:
             while True:
                 for out in self.engine.step():
                     if out.request_id == request_id:
-                        yield self.engine.stream_text(request_id), out
+                        deltas = [self.engine.stream_text(request_id, i) for i in range(params.n)]
+                        yield deltas if params.n > 1 else deltas[0], out
                         if out.finished:
                             return
         finally:

@@ -120,7 +120,7 @@ class SamplingParams:
         def is_int(x) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
 
-        check(is_int(self.n) and self.n == 1, "n", "1 (only one completion per request is supported)")
+        check(is_int(self.n) and self.n >= 1, "n", "a positive integer")
         check(self.temperature >= 0.0, "temperature", ">= 0")
         check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]")
         check(is_int(self.top_k) and self.top_k >= -1, "top_k", "-1, 0 (off) or a positive integer")

@@ -4,7 +4,8 @@
     python scripts/train_and_generate.py [--steps 6] [--model DIR]
 
 On the tiny demo checkpoint (random weights) the reward is a toy: the share of generated tokens whose id is in a
-target set. Each step is REINFORCE with a per-token reward (1 for a target token), less the batch's mean as the
+target set. Each batch samples a group of `--samples-per-prompt` continuations of every prompt (SamplingParams n:
+one prefill per prompt, the samples forked from it). Each step is REINFORCE with a per-token reward (1 for a target token), less the batch's mean as the
 baseline: sampled tokens' log-likelihoods weighted by their advantage. The reward before and after training is
 measured on the same prompts with the same seeds.
 """
@@ -25,7 +26,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="Hugging Face checkpoint directory (default: the tiny demo checkpoint)")
     p.add_argument("--steps", type=int, default=6, help="optax steps, each on a fresh batch of samples")
-    p.add_argument("--samples-per-prompt", type=int, default=2, help="samples of each prompt in a batch")
+    p.add_argument("--samples-per-prompt", type=int, default=2, help="samples of each prompt in a batch (its n)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--learning-rate", type=float, default=2e-2)
     return p.parse_args(argv)
@@ -50,15 +51,17 @@ def main(argv=None) -> tuple[float, float]:
     optimizer = nnx.Optimizer(model, optax.adam(args.learning_rate), wrt=nnx.Param)
     target = np.zeros(model.config.vocab_size, bool)
     target[list(TARGET_IDS)] = True
-    prompts = PROMPTS * args.samples_per_prompt
+    k = args.samples_per_prompt
 
     def sample(seed: int):
-        """Prompt ids, sampled ids and rewards of one batch (request i sampled with seed + i)."""
-        params = [SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=seed + i)
-                  for i in range(len(prompts))]
-        outputs = llm.generate(prompts, params)
-        samples = [list(o.outputs[0].token_ids) for o in outputs]
-        return [o.prompt_token_ids for o in outputs], samples, np.array([target[s].mean() for s in samples])
+        """Prompt ids, sampled ids and rewards of one batch: a group of k samples per prompt (n=k: the prompt is
+        prefilled once; prompt i's samples have seeds seed + k*i + j)."""
+        params = [SamplingParams(n=k, temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=seed + k * i)
+                  for i in range(len(PROMPTS))]
+        outputs = llm.generate(PROMPTS, params)
+        samples = [list(c.token_ids) for o in outputs for c in o.outputs]
+        prompt_ids = [o.prompt_token_ids for o in outputs for _ in o.outputs]
+        return prompt_ids, samples, np.array([target[s].mean() for s in samples])
 
     @nnx.jit
     def reinforce_step(model, optimizer, ids, mask, generated):

@@ -24,7 +24,7 @@ def test_normalises_stop_and_flags():
 
 
 @pytest.mark.parametrize("name, value", [
-    ("n", 2), ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("top_k", 2.5),
+    ("n", 0), ("n", 1.5), ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("top_k", 2.5),
     ("min_p", -0.1), ("min_p", 1.5), ("seed", "abc"), ("presence_penalty", 2.5), ("frequency_penalty", -3.0),
     ("repetition_penalty", 0.0), ("stop", [""]), ("stop", ["ok", 3]), ("stop_token_ids", [-1]),
     ("max_tokens", 0), ("min_tokens", -1), ("logprobs", -1), ("logprobs", True),

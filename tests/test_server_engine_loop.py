@@ -61,7 +61,7 @@ class FakeEngine:
     def release(self, rid):
         self.requests.pop(rid, None)
 
-    def stream_text(self, rid):
+    def stream_text(self, rid, index=0):
         return ""
 
     def has_unfinished_requests(self):

@@ -160,6 +160,29 @@ def test_32_concurrent_streams_equal_each_request_alone(server):
     wait_idle(server)
 
 
+def test_n_choices_streamed_and_not(server, client):
+    """n=3: three indexed choices with usage summed; streamed, each choice's chunks carry its index and add up to
+    the non-streamed choice of the same seed; greedy choices are equal."""
+    messages = [{"role": "user", "content": "Tell me about the lighthouse keeper"}]
+    sampled = dict(model=MODEL, messages=messages, max_tokens=6, n=3, temperature=1.0, seed=42,
+                   extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**sampled)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert whole.usage.completion_tokens == 18
+    texts = ["", "", ""]
+    finished = set()
+    for chunk in client.chat.completions.create(**sampled, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason is not None:
+                finished.add(c.index)
+    assert finished == {0, 1, 2}
+    assert texts == [c.message.content for c in whole.choices]
+    greedy = client.completions.create(model=MODEL, prompt="The sea", max_tokens=5, n=2, **GREEDY)
+    assert len(greedy.choices) == 2 and greedy.choices[0].text == greedy.choices[1].text
+    wait_idle(server)
+
+
 def test_client_disconnect_aborts_and_frees_blocks_and_rows(server):
     before = wait_idle(server)
     assert before["qnext:kv_cache_usage_perc"] == 0 and before["qnext:state_slots_usage_perc"] == 0
@@ -185,7 +208,8 @@ def test_client_disconnect_aborts_and_frees_blocks_and_rows(server):
 BAD_REQUESTS = [  # (endpoint, body, the field or words the message must name)
     ("chat", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
     ("chat", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1.0}, "temperature"),
-    ("chat", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n must be 1"),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n must be a positive integer"),
+    ("completions", {"prompt": "hello", "n": 5}, "max_num_seqs"),
     ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -5}, "max_tokens"),
     ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
     ("chat", {"messages": []}, "messages"),

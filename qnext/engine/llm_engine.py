@@ -21,6 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from cache.fingerprint import files_digest_memoized
+from cache.fork_copies import warm_up_fork_copies
 from cache.persisted_cache import save_prefix_cache
 from qnext.config import ModelConfig
 from qnext.engine.cache_setup import cache_sizes, make_cache, params_weights_digest, prefix_cache_fingerprint
@@ -126,6 +127,7 @@ class LLMEngine:
         """Compiles every step shape (and the common sampler variants); after it a workload compiles nothing.
         Returns the number of shapes."""
         buffers = self.runner.warm_up(self.scheduler.lend_buffers(), on_bucket)
+        buffers = warm_up_fork_copies(buffers, max(1, self.config.max_num_seqs - 1))     # n > 1 (cache/forks.py)
         if self.scheduler.host_buffers is not None:           # and the copies between the tiers
             buffers = self.scheduler.host_buffers.warm_up(buffers)
         self.scheduler.return_buffers(buffers)
@@ -149,6 +151,9 @@ class LLMEngine:
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         validate_prompt(token_ids, params, self.model_config.vocab_size, self.max_model_len)
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} samples run together, but max_num_seqs is {self.config.max_num_seqs}; "
+                             "ask for fewer or raise max_num_seqs")
         self.validate_structured_outputs(params)
 
     def validate_structured_outputs(self, params: SamplingParams) -> None:
@@ -172,15 +177,13 @@ class LLMEngine:
         self.validate(token_ids, params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        structured = None
-        if params.structured_outputs is not None:
-            matcher = validate_structured(params, self.grammar_compiler())
-            structured = StructuredState(matcher, params.structured_outputs.start_after)
-        thinking = self._thinking_budget(token_ids, params)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, params) if self.tokenizer is not None else None
-        seq = Sequence(request_id, [int(t) for t in token_ids], params, self._request_counter, prompt=text,
-                       detokenizer=detokenizer, structured=structured, thinking=thinking)
-        self._request_counter += 1
+        token_ids = [int(t) for t in token_ids]
+        samples = [self._sample_sequence(request_id, token_ids, text, params, i) for i in range(params.n)]
+        seq = samples[0]
+        if params.n > 1:          # one admission and prefill; the others are forked after it (docs/engine.md)
+            for sample in samples:
+                sample.group = samples
+            seq.pending_forks = samples[1:]
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         self.stats.num_prompt_tokens += len(token_ids)
@@ -197,12 +200,37 @@ class LLMEngine:
         return ThinkingBudget(params.thinking_token_budget, [end_id],
                               prompt_inside_reasoning(token_ids, start_id, end_id))
 
+    def _sample_sequence(self, request_id: str, token_ids: list[int], text, params: SamplingParams,
+                         index: int) -> Sequence:
+        """Sample `index` of a request: its own id inside the engine, and its own seed stream (seed + index, as
+        vLLM; unseeded, its own arrival index)."""
+        if params.n > 1:
+            seed = None if params.seed is None else params.seed + index
+            params = dataclasses.replace(params, n=1, seed=seed)
+        structured = None             # each sample its own matcher and budget
+        if params.structured_outputs is not None:
+            matcher = validate_structured(params, self.grammar_compiler())
+            structured = StructuredState(matcher, params.structured_outputs.start_after)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params) if self.tokenizer is not None else None
+        seq = Sequence(request_id if index == 0 else f"{request_id}#{index}", token_ids, params,
+                       self._request_counter, prompt=text, detokenizer=detokenizer, index=index,
+                       structured=structured, thinking=self._thinking_budget(token_ids, params))
+        self._request_counter += 1
+        return seq
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Aborts every unfinished sample of the request; None if it is unknown or finished."""
         seq = self.requests.get(request_id)
-        if seq is None or seq.is_finished:
+        if seq is None:
             return None
-        self.scheduler.abort(seq)
-        self.runner.free(request_id)
+        samples = seq.group or [seq]
+        if all(s.is_finished for s in samples):
+            return None
+        seq.pending_forks = []                  # samples not forked yet are finished below, never admitted
+        for sample in samples:
+            if not sample.is_finished:
+                self.scheduler.abort(sample)
+                self.runner.free(sample.request_id)
         return request_output(seq)
 
     def has_unfinished_requests(self) -> bool:
@@ -261,7 +289,8 @@ class LLMEngine:
         return self.scheduler.cache_usage()
 
     def running_request_ids(self) -> list[str]:
-        return [seq.request_id for seq in self.scheduler.running]
+        """The requests with a running sample (a request's n samples once)."""
+        return list(dict.fromkeys(seq.first.request_id for seq in self.scheduler.running))
 
     # ---- the step --------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -281,21 +310,23 @@ class LLMEngine:
         for seq in updated:
             if seq.is_finished:
                 self.runner.free(seq.request_id)
-        outputs = [request_output(seq) for seq in updated]
+        outputs = [request_output(seq) for seq in dict.fromkeys(seq.first for seq in updated)]
         t3 = time.perf_counter()
         s = self.stats
         s.num_steps += 1
         s.num_scheduled_sequences += len(plan.items)
         s.num_scheduled_tokens += sum(len(it.segment.token_ids) for it in plan.items)
+        s.num_prefill_tokens += sum(max(0, min(it.end, len(it.seq.prompt_token_ids)) - it.start) for it in plan.items)
         s.num_generated_tokens += generated
         s.schedule_seconds += t1 - t0
         s.postprocess_seconds += t3 - t2
         s.step_seconds += t3 - t0
         return outputs
 
-    def stream_text(self, request_id: str) -> str:
-        """Text generated since the last call for this request (for streaming)."""
+    def stream_text(self, request_id: str, index: int = 0) -> str:
+        """Text generated since the last call for this request's sample `index` (for streaming)."""
         seq = self.requests[request_id]
+        seq = seq.group[index] if seq.group else seq
         return seq.detokenizer.get_next_output_text(seq.is_finished, delta=True) if seq.detokenizer else ""
 
     def release(self, request_id: str) -> None:

@@ -22,6 +22,8 @@ class ScheduledSequence:
     seq: Sequence
     segment: Segment               # tokens [start, end) with their block table, state rows and capture rows
     samples: bool                  # the step computes the sequence's last known token, so it yields the next one
+    forks: list[Sequence] = dataclasses.field(default_factory=list)   # the request's other samples: each draws
+                                   # its first token from this item's logits and is forked after the step (n > 1)
 
     @property
     def start(self) -> int:

@@ -89,16 +89,22 @@ def mark_finished(seq: Sequence, stop: Stop) -> None:
         seq.detokenizer.update([], finished=True)
 
 
-def request_output(seq: Sequence) -> RequestOutput:
+def completion_output(seq: Sequence) -> CompletionOutput:
     detok = seq.detokenizer
     text = detok.get_next_output_text(seq.is_finished, delta=False) if detok is not None else ""
-    completion = CompletionOutput(index=0, text=text, token_ids=list(seq.output_token_ids),
-                                  cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None
-                                  else None, logprobs=seq.logprobs, finish_reason=seq.finish_reason,
-                                  stop_reason=seq.stop_reason)
+    return CompletionOutput(index=seq.index, text=text, token_ids=list(seq.output_token_ids),
+                            cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+                            logprobs=seq.logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+
+
+def request_output(seq: Sequence) -> RequestOutput:
+    """The request's output: one completion per sample (n > 1: in index order; finished when all are)."""
+    samples = seq.group or [seq]
+    seq = samples[0]
     metrics = RequestMetrics(arrival_time=seq.arrival_time, first_scheduled_time=seq.first_scheduled_time,
                              first_token_time=seq.first_token_time,
                              num_lost_to_missing_state_tokens=seq.num_lost_to_missing_state_tokens)
     return RequestOutput(request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
-                         outputs=[completion], finished=seq.is_finished,
+                         outputs=[completion_output(s) for s in samples],
+                         finished=all(s.is_finished for s in samples),
                          num_cached_tokens=seq.num_cached_tokens or 0, metrics=metrics)

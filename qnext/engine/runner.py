@@ -54,6 +54,19 @@ def _sampling_rows(items: list[ScheduledSequence]) -> list[SamplingRow]:
                         it.seq.request_index) for it in items]
 
 
+def _drawing(plan: StepPlan) -> list[tuple[int, ScheduledSequence]]:
+    """(logits row, item) of every token this step draws: each sampling item, then the forks that draw their
+    first token from a sampling item's logits (n > 1; one row per sample, each with its own seed stream)."""
+    sampling = [(i, it) for i, it in enumerate(plan.items) if it.samples]
+    forks = [(i, ScheduledSequence(child, it.segment, True)) for i, it in sampling for child in it.forks]
+    return sampling + forks
+
+
+def _num_sampler_rows(plan: StepPlan, num_drawing: int) -> int:
+    """The sampler's padded batch: the bucket's logits rows, or more when forks draw too."""
+    return max(plan.bucket.sizes.num_logits, 1 << (num_drawing - 1).bit_length())
+
+
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, config: EngineConfig, buckets: BucketTable, stats: EngineStats):
         self.cfg = cfg
@@ -84,10 +97,10 @@ class ModelRunner:
         return result
 
     def _token_bitmask(self, plan: StepPlan) -> np.ndarray | None:
-        """The token bitmask of the step's sampling rows (row j: the j-th item that samples): a grammar's mask for
-        structured rows, one allowed token for rows whose thinking budget forces `</think>`; None when no row is
-        constrained now."""
-        sampling = [it for it in plan.items if it.samples]
+        """The token bitmask of the step's drawing rows (row j: the j-th token drawn, _drawing's order): a grammar's
+        mask for structured rows, one allowed token for rows whose thinking budget forces `</think>`; None when no
+        row is constrained now."""
+        sampling = [it for _, it in _drawing(plan)]
         rows = [(j, it.seq.structured) for j, it in enumerate(sampling)
                 if it.seq.structured is not None and it.seq.structured.needs_mask]
         forced = [(j, it.seq.thinking.forced_token) for j, it in enumerate(sampling)
@@ -95,7 +108,7 @@ class ModelRunner:
         if not rows and not forced:
             return None
         t0 = time.perf_counter()
-        num_rows = plan.bucket.sizes.num_logits
+        num_rows = _num_sampler_rows(plan, len(sampling))
         if rows:
             bitmask = fill_bitmask(rows, num_rows, self.cfg.vocab_size, self.cfg.eos_token_ids)
         else:
@@ -106,7 +119,7 @@ class ModelRunner:
         return bitmask
 
     def _sample(self, plan: StepPlan, logits, greedy, bitmask: np.ndarray | None = None) -> dict[str, SampledToken]:
-        sampling = [(i, it) for i, it in enumerate(plan.items) if it.samples]
+        sampling = _drawing(plan)
         if not sampling:
             return {}
         rows = _sampling_rows([it for _, it in sampling])
@@ -114,7 +127,7 @@ class ModelRunner:
             tokens = np.asarray(greedy).tolist()     # (jax.device_get costs ~40 us more a step)
             # logprob 0 and rank 1, as the sampler reports without logprobs
             return {it.seq.request_id: SampledToken(tokens[i], 0.0, 1, None, None) for i, it in sampling}
-        num_rows = plan.bucket.sizes.num_logits
+        num_rows = _num_sampler_rows(plan, len(sampling))
         index = np.zeros(num_rows, np.int32)
         index[:len(sampling)] = [i for i, _ in sampling]
         tensors, num_logprobs = self.sampler_inputs.build(rows, num_rows)

@@ -20,6 +20,7 @@ from collections.abc import Sequence as Seq
 from cache import CacheManager
 from cache.device_buffers import CacheBuffers
 from cache.device_buffers import HostTierBuffers
+from cache.fork_copies import apply_fork_copies
 from qnext.engine.config import EngineConfig
 from qnext.engine.plan import MultiStepPlan, ScheduledSequence, StepPlan, StepResult
 from qnext.engine.postprocess import Stop, append_sampled, append_tokens, device_stop_ids, mark_finished
@@ -85,7 +86,8 @@ class Scheduler:
             segment = Segment(token_ids=w.seq.token_slice(w.start, w.end), start=w.start,
                               block_table=list(self.cache.block_table(w.seq.request_id)), read_row=read_row,
                               write_row=write_row, captures=captures)
-            items.append(ScheduledSequence(w.seq, segment, samples=w.end == w.seq.num_tokens))
+            samples = w.end == w.seq.num_tokens
+            items.append(ScheduledSequence(w.seq, segment, samples, list(w.seq.pending_forks) if samples else []))
         bucket = self.buckets.bucket_for([it.segment for it in items])
         return StepPlan(items, bucket, self.lend_buffers(), multi)
 
@@ -113,7 +115,10 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            admission = self.cache.admit(seq.request_id, seq.token_ids)
+            forks = len(seq.pending_forks)      # n > 1: rows and blocks for the other samples come with it
+            if len(self.running) + 1 + forks > self.config.max_num_seqs:
+                break
+            admission = self.cache.admit(seq.request_id, seq.token_ids, num_forks=forks)
             if admission is None:
                 break
             w = self._work(seq, admission.num_cached_tokens, budget)
@@ -217,12 +222,29 @@ class Scheduler:
                 seq.num_computed_tokens = seq.num_tokens - 1     # the last token is sampled, not yet run
                 produced = True
             self.cache.commit(seq.request_id, seq.token_view, seq.num_computed_tokens)
+            forked = self._fork(seq, it.forks, result) if it.forks else []
             if stop is not None:
                 self._finish(seq, stop)
             if produced:
                 updated.append(seq)
                 generated += len(seq.output_token_ids) - before
+            updated += forked
+            generated += len(forked)
         return updated, generated
+
+    def _fork(self, seq: Sequence, forks: list[Sequence], result: StepResult) -> list[Sequence]:
+        """After the step that computed seq's whole prompt: its other samples share its prompt's KV and copy its
+        state (cache/forks.py), take the first tokens drawn for them from the same logits, and run from now on."""
+        seq.pending_forks = []
+        for child in forks:
+            self.cache.fork(seq.request_id, child.request_id)
+            self._start(child, None)
+            child.num_computed_tokens = seq.num_computed_tokens
+            self.running.append(child)
+            stop = append_sampled(child, result.sampled[child.request_id], self.eos_token_ids, self.max_model_len)
+            if stop is not None:
+                self._finish(child, stop)
+        return forks
 
     # ---- the cache, for front ends ------------------------------------------------------------------------------
     @property
@@ -246,7 +268,7 @@ class Scheduler:
 
     def lend_buffers(self) -> CacheBuffers:
         """The cache's buffers for a step, after the copies between tiers decided so far have run on them."""
-        buffers = self.cache.lend_buffers()
+        buffers = apply_fork_copies(self.cache.take_fork_copies(), self.cache.lend_buffers())   # first: cache/forks.py
         transfers = self.cache.take_transfers()
         if transfers:
             if self.host_buffers is None:
@@ -263,7 +285,12 @@ class Scheduler:
 
     # ---------------------------------------------------------------------------------------------------------
     def _start(self, seq: Sequence, admission) -> None:
+        """admission None: a fork, which starts where its parent is (Scheduler._fork)."""
         seq.status = SequenceStatus.RUNNING
+        if admission is None:
+            seq.num_cached_tokens = seq.num_cached_tokens or 0
+            seq.first_scheduled_time = seq.first_scheduled_time or time.perf_counter()
+            return
         seq.num_computed_tokens = admission.num_cached_tokens
         if seq.num_cached_tokens is None:          # the first admission that ran is what the user sees
             seq.num_cached_tokens = admission.num_cached_tokens

@@ -45,6 +45,17 @@ class Sequence:
     num_preemptions: int = 0
     structured: StructuredState | None = None   # the grammar's matcher when params.structured_outputs is set
     thinking: ThinkingBudget | None = None      # when params.thinking_token_budget is set
+    # Parallel sampling (n > 1): every sample of a request is a Sequence; `group` (shared by all of them) lists
+    # them by index, sample 0 first. Sample 0 is admitted and prefills the prompt; the others wait in its
+    # `pending_forks` until that step, which draws their first tokens from the same logits and forks them.
+    index: int = 0
+    group: list["Sequence"] | None = None
+    pending_forks: list["Sequence"] = dataclasses.field(default_factory=list)
+
+    @property
+    def first(self) -> "Sequence":
+        """Sample 0 of this sequence's request: whose id, prompt and metrics the request's output carries."""
+        return self.group[0] if self.group else self
 
     @property
     def token_ids(self) -> list[int]:

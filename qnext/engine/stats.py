@@ -34,6 +34,7 @@ class EngineStats:
     num_scheduled_sequences: int = 0   # summed over steps: sequences and new tokens each step ran
     num_scheduled_tokens: int = 0
     num_prompt_tokens: int = 0
+    num_prefill_tokens: int = 0      # prompt tokens run through the model (a request's n samples: its prompt once)
     num_generated_tokens: int = 0
     step_seconds: float = 0.0        # wall time of engine.step(), everything included
     schedule_seconds: float = 0.0    # host: admission, blocks, capture rows, the plan

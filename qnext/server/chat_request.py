@@ -281,17 +281,32 @@ def message_text(content: Any, index: int) -> str:
 
 
 # ---- the output side --------------------------------------------------------------------------------------------------
-async def parsed_deltas(stream: RequestStream, parser: OutputParser
+class ChoiceParsers:
+    """One OutputParser per choice index (n > 1: each sample is parsed on its own), made on first use."""
+
+    def __init__(self, new_parser: Callable[[], OutputParser]):
+        self._new_parser = new_parser
+        self._parsers: dict[int, OutputParser] = {}
+
+    def __getitem__(self, index: int) -> OutputParser:
+        if index not in self._parsers:
+            self._parsers[index] = self._new_parser()
+        return self._parsers[index]
+
+
+async def parsed_deltas(stream: RequestStream, parsers: ChoiceParsers | OutputParser
                         ) -> AsyncIterator[tuple[StreamDelta, list[Event]]]:
-    """The request's deltas, each with the parser events its text settled (the last one also those of finish())."""
+    """The request's deltas, each with the parser events its text settled in its choice's parser (a choice's last
+    delta also those of finish()). A single OutputParser serves a one-choice request."""
     async for d in stream:
+        parser = parsers[d.index] if isinstance(parsers, ChoiceParsers) else parsers
         events = parser.feed(d.text) if d.text else []
-        if d.output.finished:
+        if d.output.outputs[d.index].finish_reason is not None:
             events += parser.finish()
         yield d, events
 
 
-def finish_reason(out: RequestOutput, num_tool_calls: int) -> str | None:
-    """The engine's finish reason, with "stop" reported as "tool_calls" when the output made calls."""
-    reason = out.outputs[0].finish_reason
+def finish_reason(out: RequestOutput, num_tool_calls: int, index: int = 0) -> str | None:
+    """The choice's finish reason from the engine, with "stop" reported as "tool_calls" when it made calls."""
+    reason = out.outputs[index].finish_reason
     return "tool_calls" if reason == "stop" and num_tool_calls else reason

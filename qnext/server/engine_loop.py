@@ -202,24 +202,35 @@ class AsyncEngine:
                 self._deliver(stream, out)
 
     def _deliver(self, stream: RequestStream, out: RequestOutput) -> None:
-        completion = out.outputs[0]
-        new_tokens = completion.token_ids[stream.num_tokens_sent:]
-        new_logprobs = None
-        if completion.logprobs is not None:
-            new_logprobs = list(completion.logprobs[stream.num_logprobs_sent:])
-            stream.num_logprobs_sent += len(new_logprobs)
-        stream.num_tokens_sent = len(completion.token_ids)
-        if new_tokens and stream.first_token_time is None:
+        """One delta per choice that has new tokens or has just finished (n > 1: choices advance apart)."""
+        deltas = []
+        for completion in out.outputs:
+            i = completion.index
+            new_tokens = completion.token_ids[stream.num_tokens_sent.get(i, 0):]
+            new_logprobs = None
+            if completion.logprobs is not None:
+                new_logprobs = list(completion.logprobs[stream.num_logprobs_sent.get(i, 0):])
+                stream.num_logprobs_sent[i] = stream.num_logprobs_sent.get(i, 0) + len(new_logprobs)
+            stream.num_tokens_sent[i] = len(completion.token_ids)
+            just_finished = completion.finish_reason is not None and i not in stream.finished_choices
+            if just_finished:
+                stream.finished_choices.add(i)
+            text = self.engine.stream_text(out.request_id, i)
+            if new_tokens or text or just_finished or len(out.outputs) == 1:
+                deltas.append(StreamDelta(text, list(new_tokens), new_logprobs, out, index=i))
+        if any(d.token_ids for d in deltas) and stream.first_token_time is None:
             stream.first_token_time = time.perf_counter()
             if self._observer is not None:
                 self._observer.on_first_token(stream)
-        text = self.engine.stream_text(out.request_id)
         if out.finished:
             self._live.pop(out.request_id, None)
             self.engine.release(out.request_id)
             if self._observer is not None:
                 self._observer.on_finish(stream, out)
-        stream.push(StreamDelta(text, list(new_tokens), new_logprobs, out))
+        if deltas:
+            deltas[-1].final = out.finished
+        for delta in deltas:
+            stream.push(delta)
 
     def _affected_by_failed_step(self) -> list[str]:
         """The live requests that were running; all live ones when none was (the step failed admitting them)."""

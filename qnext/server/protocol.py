@@ -57,8 +57,6 @@ class _SamplingRequest(BaseModel):
         return None
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise bad_request(f"n must be 1: this server returns one choice per request (got n={self.n})", "n")
         if self.logit_bias:
             raise bad_request("logit_bias is not supported by this server", "logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -71,7 +69,7 @@ class _SamplingRequest(BaseModel):
             raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
         try:
             return SamplingParams(
-                n=1,
+                n=self.n,
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=self.top_k or 0,

@@ -15,6 +15,8 @@ class StreamDelta:
     token_ids: list[int]               # tokens generated since the previous delta
     logprobs: SampleLogprobs | None    # their logprob entries, when the request asked for logprobs
     output: RequestOutput              # the request's output so far (finish reason, cached tokens)
+    index: int = 0                     # the choice (sample) these tokens belong to (n > 1: one delta per choice)
+    final: bool = False                # the request's last delta: every choice has finished
 
 
 class RequestStream:
@@ -30,8 +32,9 @@ class RequestStream:
         self._on_abort = on_abort
         self.admitted: asyncio.Future = loop.create_future()
         # engine-thread bookkeeping
-        self.num_tokens_sent = 0
-        self.num_logprobs_sent = 0
+        self.num_tokens_sent: dict[int, int] = {}      # per choice index
+        self.num_logprobs_sent: dict[int, int] = {}
+        self.finished_choices: set[int] = set()
 
     def __aiter__(self):
         return self

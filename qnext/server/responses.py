@@ -24,7 +24,7 @@ def usage(out: RequestOutput) -> dict:
     matched the prefix cache but were computed again because no state snapshot of the linear-attention layers
     was left at that point (a hybrid-model prefix miss)."""
     prompt = len(out.prompt_token_ids)
-    completion = len(out.outputs[0].token_ids)
+    completion = sum(len(c.token_ids) for c in out.outputs)       # n > 1: summed over the choices
     recomputed = out.metrics.num_lost_to_missing_state_tokens if out.metrics is not None else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens, "recomputed_tokens": recomputed}}
@@ -79,12 +79,13 @@ def completion_logprobs(token_ids: list[int], logprobs: SampleLogprobs, k: int, 
 
 # ---- whole responses -----------------------------------------------------------------------------------------------
 # return_token_ids (vLLM's extension): the prompt's token ids in the body, the generated ones in the choice.
-def completion_body(env: Envelope, out: RequestOutput, logprobs: dict | None, return_token_ids: bool) -> dict:
-    c = out.outputs[0]
-    choice = {"index": 0, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-              "stop_reason": c.stop_reason, **({"token_ids": list(c.token_ids)} if return_token_ids else {})}
+# logprobs: one entry per choice (out.outputs, in index order), None where not asked for.
+def completion_body(env: Envelope, out: RequestOutput, logprobs: list[dict | None], return_token_ids: bool) -> dict:
+    choices = [{"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason, **({"token_ids": list(c.token_ids)} if return_token_ids else {})}
+               for c, lp in zip(out.outputs, logprobs)]
     ids = {"prompt_token_ids": list(out.prompt_token_ids)} if return_token_ids else {}
-    return env.body("text_completion", [choice], usage=usage(out), **ids)
+    return env.body("text_completion", choices, usage=usage(out), **ids)
 
 
 def chat_message(parsed: ParsedOutput) -> dict:
@@ -100,31 +101,31 @@ def chat_message(parsed: ParsedOutput) -> dict:
     return message
 
 
-def chat_body(env: Envelope, out: RequestOutput, logprobs: dict | None, return_token_ids: bool,
-              parsed: ParsedOutput) -> dict:
-    c = out.outputs[0]
-    reason = "tool_calls" if c.finish_reason == "stop" and parsed.tool_calls else c.finish_reason
-    choice = {"index": 0, "message": chat_message(parsed), "logprobs": logprobs,
-              "finish_reason": reason, "stop_reason": c.stop_reason,
-              **({"token_ids": list(c.token_ids)} if return_token_ids else {})}
+def chat_body(env: Envelope, out: RequestOutput, logprobs: list[dict | None], return_token_ids: bool,
+              parsed: list[ParsedOutput]) -> dict:
+    """logprobs and parsed: one entry per choice (out.outputs, in index order)."""
+    choices = [{"index": c.index, "message": chat_message(p), "logprobs": lp,
+                "finish_reason": "tool_calls" if c.finish_reason == "stop" and p.tool_calls else c.finish_reason,
+                "stop_reason": c.stop_reason, **({"token_ids": list(c.token_ids)} if return_token_ids else {})}
+               for c, lp, p in zip(out.outputs, logprobs, parsed)]
     ids = {"prompt_token_ids": list(out.prompt_token_ids)} if return_token_ids else {}
-    return env.body("chat.completion", [choice], usage=usage(out), **ids)
+    return env.body("chat.completion", choices, usage=usage(out), **ids)
 
 
 # ---- stream chunks -------------------------------------------------------------------------------------------------
 # token_ids: the chunk's new tokens, when the request asked for return_token_ids (else None: left out).
 def completion_chunk(env: Envelope, text: str, logprobs: dict | None, finish_reason: str | None,
-                     with_usage_field: bool, token_ids: list[int] | None = None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                     with_usage_field: bool, token_ids: list[int] | None = None, index: int = 0) -> dict:
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
               **({"token_ids": token_ids} if token_ids is not None else {})}
     return env.body("text_completion", [choice], **({"usage": None} if with_usage_field else {}))
 
 
 def chat_chunk(env: Envelope, delta: dict, logprobs: dict | None, finish_reason: str | None,
-               with_usage_field: bool, token_ids: list[int] | None = None,
+               with_usage_field: bool, token_ids: list[int] | None = None, index: int = 0,
                prompt_token_ids: list[int] | None = None) -> dict:
     """prompt_token_ids: on the first chunk of a request that asked for return_token_ids (as vLLM sends them)."""
-    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
               **({"token_ids": token_ids} if token_ids is not None else {})}
     return env.body("chat.completion.chunk", [choice], **({"usage": None} if with_usage_field else {}),
                     **({"prompt_token_ids": prompt_token_ids} if prompt_token_ids is not None else {}))

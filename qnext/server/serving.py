@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -13,7 +14,7 @@ from qnext.engine.llm_engine import validate_prompt
 from qnext.outputs import RequestOutput
 from qnext.sampling_params import SamplingParams
 from qnext.server import responses as R
-from qnext.server.chat_request import ChatTranslator, finish_reason, parsed_deltas
+from qnext.server.chat_request import ChatTranslator, ChoiceParsers, finish_reason, parsed_deltas
 from qnext.server.engine_loop import AsyncEngine, EngineStepError, EngineStoppedError, QueueFullError
 from qnext.server.errors import APIError, bad_request, from_validation_error
 from qnext.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -57,7 +58,8 @@ class OpenAIServing:
         out, token_ids, logprobs = await collect(stream, request)
         if out is None:
             return Response(status_code=499)
-        lp = R.completion_logprobs(token_ids, logprobs, params.logprobs) if params.logprobs is not None else None
+        lp = [R.completion_logprobs(token_ids[c.index], logprobs[c.index], params.logprobs)
+              if params.logprobs is not None else None for c in out.outputs]
         return JSONResponse(R.completion_body(env, out, lp, req.return_token_ids))
 
     async def chat_completions(self, request: Request) -> Response:
@@ -66,15 +68,16 @@ class OpenAIServing:
         chat = await asyncio.to_thread(self.translator.translate, req.chat_inputs(), req.sampling_params())
         stream = await self._admit(R.new_id("chatcmpl"), chat.prompt, chat.prompt_token_ids, chat.params)
         env = R.Envelope("chatcmpl", self.model_name)
-        parser = chat.new_output_parser()
+        parsers = ChoiceParsers(chat.new_output_parser)
         k = chat.params.logprobs
         if req.stream:
-            return event_stream(self._chat_events(stream, env, k, req, parser, chat.prompt_token_ids), stream)
+            return event_stream(self._chat_events(stream, env, k, req, parsers, chat.prompt_token_ids), stream)
         out, token_ids, logprobs = await collect(stream, request)
         if out is None:
             return Response(status_code=499)
-        lp = R.chat_logprobs(token_ids, logprobs, k) if k is not None else None
-        parsed = parser.parse_whole(out.outputs[0].text)
+        lp = [R.chat_logprobs(token_ids[c.index], logprobs[c.index], k) if k is not None else None
+              for c in out.outputs]
+        parsed = [parsers[c.index].parse_whole(c.text) for c in out.outputs]
         return JSONResponse(R.chat_body(env, out, lp, req.return_token_ids, parsed))
 
     # ---- the request side: prompt, checks, admission -------------------------------------------------------
@@ -119,28 +122,29 @@ class OpenAIServing:
     # ---- streams -------------------------------------------------------------------------------------------
     async def _completion_events(self, stream: RequestStream, env: R.Envelope, k: int | None,
                                  req: CompletionRequest) -> AsyncIterator[str]:
-        text_offset = 0
+        text_offset = {}                    # per choice
         async for d in stream:
             lp = None
             if k is not None and d.logprobs:
-                lp = R.completion_logprobs(d.token_ids, d.logprobs, k, text_offset)
-                text_offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
-            finish = d.output.outputs[0].finish_reason if d.output.finished else None
+                lp = R.completion_logprobs(d.token_ids, d.logprobs, k, text_offset.get(d.index, 0))
+                text_offset[d.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            finish = d.output.outputs[d.index].finish_reason
             ids = d.token_ids if req.return_token_ids else None
             if d.text or lp or finish or ids:
-                yield R.sse(R.completion_chunk(env, d.text, lp, finish, req.include_usage, ids))
-            if d.output.finished and req.include_usage:
+                yield R.sse(R.completion_chunk(env, d.text, lp, finish, req.include_usage, ids, d.index))
+            if d.final and req.include_usage:
                 yield R.sse(R.usage_chunk(env, "text_completion", d.output))
 
     async def _chat_events(self, stream: RequestStream, env: R.Envelope, k: int | None,
-                           req: ChatCompletionRequest, parser: OutputParser,
+                           req: ChatCompletionRequest, parsers: ChoiceParsers,
                            prompt_token_ids: list[int]) -> AsyncIterator[str]:
-        yield R.sse(R.chat_chunk(env, {"role": "assistant", "content": ""}, None, None, req.include_usage,
-                                 [] if req.return_token_ids else None,
-                                 prompt_token_ids if req.return_token_ids else None))
-        async for d, events in parsed_deltas(stream, parser):
+        for index in range(req.n):
+            yield R.sse(R.chat_chunk(env, {"role": "assistant", "content": ""}, None, None, req.include_usage,
+                                     [] if req.return_token_ids else None, index,
+                                     prompt_token_ids if req.return_token_ids and index == 0 else None))
+        async for d, events in parsed_deltas(stream, parsers):
             lp = R.chat_logprobs(d.token_ids, d.logprobs, k) if k is not None and d.logprobs else None
-            finish = finish_reason(d.output, parser.num_tool_calls) if d.output.finished else None
+            finish = finish_reason(d.output, parsers[d.index].num_tool_calls, d.index)
             ids = d.token_ids if req.return_token_ids else None
             deltas = R.chat_deltas(events)
             if not deltas and (lp or finish or ids):
@@ -148,8 +152,8 @@ class OpenAIServing:
             for i, delta in enumerate(deltas):
                 first, last = i == 0, i == len(deltas) - 1
                 yield R.sse(R.chat_chunk(env, delta, lp if first else None, finish if last else None,
-                                         req.include_usage, ids if first else None))
-            if d.output.finished and req.include_usage:
+                                         req.include_usage, ids if first else None, d.index))
+            if d.final and req.include_usage:
                 yield R.sse(R.usage_chunk(env, "chat.completion.chunk", d.output))
 
 
@@ -182,16 +186,16 @@ async def _terminated(events: AsyncIterator[str], stream: RequestStream) -> Asyn
 
 
 async def collect(stream: RequestStream, request: Request
-                  ) -> tuple[RequestOutput | None, list[int], list]:
-    """Runs a non-streamed request to its end -> (final output, token ids, logprob entries). Aborts it and returns
-    (None, ...) if the client disconnects first; an engine failure raises a 500."""
-    token_ids, logprobs, final = [], [], []
+                  ) -> tuple[RequestOutput | None, dict[int, list[int]], dict[int, list]]:
+    """Runs a non-streamed request to its end -> (final output, token ids and logprob entries per choice index).
+    Aborts it and returns (None, ...) if the client disconnects first; an engine failure raises a 500."""
+    token_ids, logprobs, final = collections.defaultdict(list), collections.defaultdict(list), []
 
     async def drain():
         async for d in stream:
-            token_ids.extend(d.token_ids)
-            logprobs.extend(d.logprobs or [])
-            if d.output.finished:
+            token_ids[d.index].extend(d.token_ids)
+            logprobs[d.index].extend(d.logprobs or [])
+            if d.final:
                 final.append(d.output)
 
     task = asyncio.ensure_future(drain())

@@ -1,0 +1,71 @@
+"""Speculative decoding's acceptance step: k draft tokens checked against the target's k + 1 distributions.
+
+Given, per row, the draft tokens d_1..d_k with the draft's distributions q_1..q_k they were drawn from, and the
+target's distributions p_1..p_{k+1} at the same positions (p_i is the target's distribution for the token that d_i
+proposes; p_{k+1} follows d_k), the row emits its accepted prefix and one more token:
+- greedy (temperature 0): d_i is accepted while d_i == argmax p_i; the first mismatch emits argmax p_i instead;
+  if all k agree, argmax p_{k+1} follows. The emitted tokens are exactly plain greedy decoding's.
+- sampled: d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i)) (stop at the first rejection); a rejection
+  at i emits a draw from the residual max(0, p_i - q_i) normalised; if all k are accepted, a draw from p_{k+1}.
+  Each emitted token is distributed exactly as p at its position (Leviathan et al. 2023, Chen et al. 2023), so
+  the output keeps the target's distribution whatever the draft.
+Only the emitted tokens may reach a sequence's state: the caller keeps the target's states after position
+`num_accepted` (the last accepted draft) and discards the rest.
+
+All arrays are batched [N, ...] and the function is jittable; randomness comes from `key` (one per call).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Acceptance(NamedTuple):
+    tokens: jax.Array          # [N, k + 1] int32: emitted tokens, valid up to num_emitted (the rest repeat the last)
+    num_accepted: jax.Array    # [N] int32 in [0, k]: draft tokens accepted
+    num_emitted: jax.Array     # [N] int32 = num_accepted + 1
+
+
+def _first_false(ok):
+    """ok [N, k] bool -> [N] int32: the index of the first False (k when all are True)."""
+    k = ok.shape[1]
+    return jnp.min(jnp.where(ok, k, jnp.arange(k)[None, :]), axis=1).astype(jnp.int32)
+
+
+def _emit(draft, accepted, last):
+    """Emitted tokens [N, k + 1]: draft[:, :accepted], then `last` at index `accepted` (and after it)."""
+    k = draft.shape[1]
+    cols = jnp.arange(k + 1)[None, :]
+    padded = jnp.concatenate([draft, last[:, None]], axis=1)
+    return jnp.where(cols < accepted[:, None], padded, last[:, None]).astype(jnp.int32)
+
+
+def accept_greedy(draft_tokens, target_logits) -> Acceptance:
+    """draft_tokens: [N, k] int; target_logits: [N, k + 1, V]. Longest prefix agreeing with the target's argmax."""
+    target = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)          # [N, k + 1]
+    accepted = _first_false(draft_tokens == target[:, :-1])
+    last = jnp.take_along_axis(target, accepted[:, None], axis=1)[:, 0]
+    return Acceptance(_emit(draft_tokens, accepted, last), accepted, accepted + 1)
+
+
+def accept_sampled(draft_tokens, draft_probs, target_probs, key) -> Acceptance:
+    """draft_tokens: [N, k] int (drawn from draft_probs); draft_probs: [N, k, V]; target_probs: [N, k + 1, V]
+    (both after the row's temperature / top-k / top-p processing). Rejection sampling that keeps target_probs."""
+    n, k, v = draft_probs.shape
+    u_key, r_key = jax.random.split(key)
+    p_d = jnp.take_along_axis(target_probs[:, :k], draft_tokens[..., None], axis=-1)[..., 0]     # [N, k]
+    q_d = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
+    u = jax.random.uniform(u_key, (n, k))
+    ok = u * q_d < p_d                       # u < p/q without dividing; q_d > 0 for a token the draft drew
+    accepted = _first_false(ok)
+    # where the row stops: the residual at a rejection, the target's own next distribution after k acceptances
+    rows = jnp.arange(n)
+    p_stop = target_probs[rows, accepted]                                   # [N, V]
+    q_stop = jnp.concatenate([draft_probs, jnp.zeros((n, 1, v), draft_probs.dtype)], axis=1)[rows, accepted]
+    residual = jnp.maximum(p_stop - q_stop, 0.0)
+    mass = residual.sum(-1, keepdims=True)
+    residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_stop)   # p == q: any draw of p
+    last = jax.random.categorical(r_key, jnp.log(residual), axis=-1).astype(jnp.int32)
+    return Acceptance(_emit(draft_tokens, accepted, last), accepted, accepted + 1)
