@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from qnext.server.auth import APIKeyMiddleware
+from qnext.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from qnext.server.engine_loop import AsyncEngine
 from qnext.server.errors import install_error_handlers
 from qnext.server.metrics import CONTENT_TYPE, ServerMetrics, cache_usage
@@ -23,12 +26,14 @@ def build_async_engine(engine, *, max_waiting_requests: int, model_name: str) ->
     return async_engine, metrics
 
 
-def build_app(engine, *, model_name: str, max_waiting_requests: int = 256) -> FastAPI:
-    """An app serving `engine` (an LLMEngine, or anything with its methods). Starting the app starts the engine
-    thread; stopping it aborts what is left and joins the thread."""
+def build_app(engine, *, model_name: str, aliases: Sequence[str] = (), max_waiting_requests: int = 256,
+              api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """An app serving `engine` (an LLMEngine, or anything with its methods) as `model_name` (and `aliases`).
+    Starting the app starts the engine thread; stopping it aborts what is left and joins the thread. With
+    `api_key`, /v1 routes want it (auth.py); bodies past `max_request_bytes` get 413 (body_limit.py)."""
     async_engine, metrics = build_async_engine(engine, max_waiting_requests=max_waiting_requests,
                                                model_name=model_name)
-    serving = OpenAIServing(async_engine, model_name)
+    serving = OpenAIServing(async_engine, model_name, aliases)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -42,6 +47,9 @@ def build_app(engine, *, model_name: str, max_waiting_requests: int = 256) -> Fa
     app = FastAPI(title="qnext", lifespan=lifespan)
     app.state.async_engine, app.state.metrics = async_engine, metrics
     install_error_handlers(app, metrics.count_error)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)       # outermost: refused before the body is read
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -53,9 +61,9 @@ def build_app(engine, *, model_name: str, max_waiting_requests: int = 256) -> Fa
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "qnext",
-                "max_model_len": serving.max_model_len}
-        return {"object": "list", "data": [card]}
+        cards = [{"id": name, "object": "model", "created": created, "owned_by": "qnext",
+                  "max_model_len": serving.max_model_len} for name in serving.model_names]
+        return {"object": "list", "data": cards}
 
     @app.get("/health")
     async def health():

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 import jinja2
 from fastapi import Request
@@ -15,6 +15,7 @@ from qnext.sampling_params import SamplingParams
 from qnext.server import responses as R
 from qnext.server.engine_loop import AsyncEngine, EngineStepError, EngineStoppedError, QueueFullError
 from qnext.server.errors import APIError, bad_request, from_validation_error
+from qnext.server.prompt_bound import PromptBound
 from qnext.server.protocol import ChatCompletionRequest, CompletionRequest
 from qnext.server.request_stream import RequestStream
 
@@ -27,13 +28,15 @@ def step_failed(e: Exception) -> APIError:
 
 
 class OpenAIServing:
-    def __init__(self, async_engine: AsyncEngine, model_name: str):
+    def __init__(self, async_engine: AsyncEngine, model_name: str, aliases: Sequence[str] = ()):
         engine = async_engine.engine
         self.async_engine = async_engine
         self.model_name = model_name
+        self.model_names = tuple(dict.fromkeys([model_name, *aliases]))     # what clients may send as `model`
         self.tokenizer = engine.tokenizer       # thread-safe on its own; the engine itself is not touched here
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
+        self.prompt_bound = PromptBound(self.tokenizer, self.max_model_len)
 
     # ---- endpoints ---------------------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -75,14 +78,16 @@ class OpenAIServing:
 
     # ---- the request side: prompt, checks, admission -------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+        if model is not None and model not in self.model_names:
+            served = ", ".join(repr(n) for n in self.model_names)
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {served}",
                            param="model", code="model_not_found")
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise bad_request("this checkpoint has no tokenizer.json; send the prompt as a list of token ids",
                               "prompt")
+        self.prompt_bound.check(text)
         return self.tokenizer.encode(text)
 
     def _render_chat(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
