@@ -3,7 +3,7 @@ from qnext.config import ModelConfig
 from qnext.llm import LLM
 from qnext.model.scoring import Model, load_model
 from qnext.outputs import CompletionOutput, Logprob, RequestOutput
-from qnext.sampling_params import SamplingParams
+from qnext.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "CompletionOutput", "Logprob", "Model", "ModelConfig", "RequestOutput", "SamplingParams",
-           "load_model"]
+           "StructuredOutputsParams", "load_model"]

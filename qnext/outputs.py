@@ -24,7 +24,8 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (a structured output's grammar
+                                      # reached a dead end; stop_reason says why); None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for eos
 
     def finished(self) -> bool:

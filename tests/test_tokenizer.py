@@ -73,7 +73,9 @@ def test_chat_template(tok):
         "<|im_start|>assistant\n")
     assert tok.apply_chat_template(messages[:1], enable_thinking=False).endswith(
         "<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    with pytest.raises(jinja2.TemplateError, match="unsupported role tool"):
+    with pytest.raises(jinja2.TemplateError, match="unsupported role function"):
+        tok.apply_chat_template([{"role": "function", "content": "x"}])
+    with pytest.raises(jinja2.TemplateError, match="needs a user query"):
         tok.apply_chat_template([{"role": "tool", "content": "x"}])
 
 

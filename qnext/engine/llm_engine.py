@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -33,6 +34,8 @@ from qnext.model.tensor_parallel import local_config, make_mesh, shard_params
 from qnext.model.weights import as_dtype
 from qnext.outputs import RequestOutput
 from qnext.sampling_params import SamplingParams
+from qnext.structured import GrammarCompiler, StructuredState
+from qnext.structured import validate as validate_structured
 from qnext.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger("qnext.engine")
@@ -110,6 +113,8 @@ class LLMEngine:
                                    host_buffers=host_buffers)
         self.requests: dict[str, Sequence] = {}
         self._request_counter = 0
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
 
     def warm_up(self, on_bucket=None) -> int:
         """Compiles every step shape (and the common sampler variants); after it a workload compiles nothing.
@@ -138,6 +143,22 @@ class LLMEngine:
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         validate_prompt(token_ids, params, self.model_config.vocab_size, self.max_model_len)
+        self.validate_structured_outputs(params)
+
+    def validate_structured_outputs(self, params: SamplingParams) -> None:
+        """Compiles the request's structured_outputs (cached per spec): ValueError naming the problem when its
+        schema, regex or grammar is invalid. Any thread may call it."""
+        if params.structured_outputs is not None:
+            validate_structured(params, self.grammar_compiler())
+
+    def grammar_compiler(self) -> GrammarCompiler | None:
+        """The engine's structured-output compiler (built on first use; None without a tokenizer)."""
+        with self._compiler_lock:
+            if self._grammar_compiler is None and self.tokenizer is not None:
+                eos = self.model_config.eos_token_ids or self.tokenizer.eos_token_ids
+                self._grammar_compiler = GrammarCompiler.for_tokenizer(self.tokenizer, self.model_config.vocab_size,
+                                                                       eos)
+            return self._grammar_compiler
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
         if self._closed:
@@ -148,9 +169,14 @@ class LLMEngine:
         self.validate(token_ids, params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        structured = None
+        if params.structured_outputs is not None:
+            self.validate_structured_outputs(params)
+            spec = params.structured_outputs
+            structured = StructuredState(self._grammar_compiler.compile(spec), spec.start_after)
         detokenizer = IncrementalDetokenizer(self.tokenizer, params) if self.tokenizer is not None else None
         seq = Sequence(request_id, [int(t) for t in token_ids], params, self._request_counter, prompt=text,
-                       detokenizer=detokenizer)
+                       detokenizer=detokenizer, structured=structured)
         self._request_counter += 1
         self.requests[request_id] = seq
         self.scheduler.add(seq)

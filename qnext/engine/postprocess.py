@@ -9,6 +9,7 @@ from qnext.engine.plan import SampledToken
 from qnext.engine.sequence import Sequence, SequenceStatus
 from qnext.outputs import CompletionOutput, RequestMetrics, RequestOutput, logprobs_entry
 from qnext.sampling_params import SamplingParams
+from qnext.structured.matcher import DEAD_END
 
 Stop = tuple[str, "int | str | None"]      # (finish_reason, stop_reason)
 
@@ -58,8 +59,12 @@ def append_tokens(seq: Sequence, token_ids: list[int], eos_token_ids: Seq[int], 
 
 
 def append_sampled(seq: Sequence, token: SampledToken, eos_token_ids: Seq[int], max_model_len: int) -> Stop | None:
-    """append_tokens for one sampled token, with its logprobs when the request asked for them."""
+    """append_tokens for one sampled token, with its logprobs when the request asked for them. A structured
+    request's matcher takes the token first: a token its grammar rejects is not appended and ends the request
+    (DEAD_END); a token that completes the grammar ends it with ("stop", None), min_tokens or not."""
     p = seq.params
+    if seq.structured is not None and not seq.structured.advance(token.token_id):
+        return DEAD_END, seq.structured.error
     seq.cumulative_logprob += token.logprob
     if p.logprobs is not None:
         detok = seq.detokenizer
@@ -69,7 +74,10 @@ def append_sampled(seq: Sequence, token: SampledToken, eos_token_ids: Seq[int], 
                                            token.top_ids if token.top_ids is not None else [],
                                            token.top_logprobs if token.top_logprobs is not None else [],
                                            p.logprobs, decode))
-    return append_tokens(seq, [token.token_id], eos_token_ids, max_model_len)
+    stop = append_tokens(seq, [token.token_id], eos_token_ids, max_model_len)
+    if seq.structured is not None and seq.structured.is_complete and (stop is None or stop[0] == "length"):
+        stop = "stop", None
+    return stop
 
 
 def mark_finished(seq: Sequence, stop: Stop) -> None:

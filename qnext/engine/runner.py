@@ -21,6 +21,7 @@ from qnext.model.forward import forward
 from qnext.model.step_inputs import Segment, build_step_inputs
 from qnext.model.tensor_parallel import local_config, shard_step
 from qnext.sampling_params import SamplingParams
+from qnext.structured.matcher import fill_bitmask
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,18 +75,33 @@ class ModelRunner:
                                    block_size=self.config.block_size, chunk=plan.bucket.chunk)
         t1 = time.perf_counter()
         logits, greedy, buffers = self._step(self.params, plan.buffers, inputs)
+        bitmask = self._token_bitmask(plan)          # on the host while the device runs the step
         jax.block_until_ready(logits)
         t2 = time.perf_counter()
-        result = StepResult(buffers, self._sample(plan, logits, greedy))
+        result = StepResult(buffers, self._sample(plan, logits, greedy, bitmask))
         self.stats.add_phases(layout=t1 - t0, device=t2 - t1, sample=time.perf_counter() - t2, model_steps=1)
         return result
 
-    def _sample(self, plan: StepPlan, logits, greedy) -> dict[str, SampledToken]:
+    def _token_bitmask(self, plan: StepPlan) -> np.ndarray | None:
+        """The structured-output bitmask of the step's sampling rows (row j: the j-th item that samples), or None
+        when no row is constrained now."""
+        sampling = [it for it in plan.items if it.samples]
+        rows = [(j, it.seq.structured) for j, it in enumerate(sampling)
+                if it.seq.structured is not None and it.seq.structured.needs_mask]
+        if not rows:
+            return None
+        t0 = time.perf_counter()
+        bitmask = fill_bitmask(rows, plan.bucket.sizes.num_logits, self.cfg.vocab_size)
+        self.stats.structured_mask_seconds += time.perf_counter() - t0
+        self.stats.num_structured_masks += len(rows)
+        return bitmask
+
+    def _sample(self, plan: StepPlan, logits, greedy, bitmask: np.ndarray | None = None) -> dict[str, SampledToken]:
         sampling = [(i, it) for i, it in enumerate(plan.items) if it.samples]
         if not sampling:
             return {}
         rows = _sampling_rows([it for _, it in sampling])
-        if self.sampler_inputs.plain_greedy(rows):
+        if bitmask is None and self.sampler_inputs.plain_greedy(rows):
             tokens = np.asarray(greedy).tolist()     # (jax.device_get costs ~40 us more a step)
             # logprob 0 and rank 1, as the sampler reports without logprobs
             return {it.seq.request_id: SampledToken(tokens[i], 0.0, 1, None, None) for i, it in sampling}
@@ -93,6 +109,7 @@ class ModelRunner:
         index = np.zeros(num_rows, np.int32)
         index[:len(sampling)] = [i for i, _ in sampling]
         tensors, num_logprobs = self.sampler_inputs.build(rows, num_rows)
+        tensors = tensors._replace(token_bitmask=bitmask)
         result = jax.device_get(_sample_rows(logits, index, tensors, num_logprobs=num_logprobs))
         return {it.seq.request_id: SampledToken(
             int(result.token_ids[j]), float(result.logprobs[j]), int(result.ranks[j]),

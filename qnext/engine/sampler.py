@@ -8,7 +8,8 @@ Randomness: each row draws from fold_in(key(request), output_position), so a req
 seed (or, unseeded, on the engine seed and its arrival index) and never on the batch around it.
 
 `sample` compiles once per (N, V, K, B) and per which optional stages the batch needs: top-k/top-p filtering
-(a full sort) and penalties (two dense [N, V] arrays) are skipped, as None fields, when no row uses them.
+(a full sort), penalties (two dense [N, V] arrays) and the structured-output token bitmask are skipped, as None
+fields, when no row uses them.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class SamplingTensors(NamedTuple):
     repetition_penalty: jax.Array | None = None  # [N] f32
     output_counts: jax.Array | None = None  # [N, V] int32, occurrences of each token in the output so far
     prompt_mask: jax.Array | None = None  # [N, V] bool, token occurs in the prompt
+    token_bitmask: jax.Array | None = None  # [N, ceil(V/32)] int32, bit t%32 of word t//32 set: token t allowed
+                                            # (structured outputs); None: no row is constrained
 
 
 class SamplerOutput(NamedTuple):
@@ -77,6 +80,14 @@ def apply_min_p(logits, min_p):
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
+def apply_token_bitmask(logits, bitmask):
+    """Masks to -inf every token whose bit is clear in the row's packed bitmask [N, ceil(V/32)] int32."""
+    ids = jnp.arange(logits.shape[-1])
+    words = bitmask[:, ids >> 5]                                    # [N, V]
+    allowed = ((words >> (ids & 31)) & 1).astype(jnp.bool_)
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def first_argmax(x):
     """jnp.argmax over the last axis (first index of the maximum) as two plain reductions: XLA:CPU's fused
     (value, index) reduce is ~2x slower over a vocabulary row."""
@@ -99,6 +110,8 @@ def sample(logits, tensors: SamplingTensors, num_logprobs: int | None = 0) -> Sa
     if t.output_counts is not None:
         x = apply_penalties(x, t.output_counts, t.prompt_mask, t.presence_penalty, t.frequency_penalty,
                             t.repetition_penalty)
+    if t.token_bitmask is not None:
+        x = apply_token_bitmask(x, t.token_bitmask)
     greedy_tokens = first_argmax(x)
 
     is_greedy = t.temperature < GREEDY_TEMPERATURE

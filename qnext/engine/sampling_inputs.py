@@ -160,7 +160,8 @@ def suppressed_ids(params: SamplingParams, num_output: int, eos_token_ids: Seque
 
 def stateless(params: SamplingParams, num_output: int, eos_token_ids: Sequence[int], vocab_size: int) -> bool:
     """True when a request's next tokens depend only on its logits and output position: no logprobs, no
-    penalties (output counts) and no ids suppressed now (min_tokens, which is never active again once it is not).
+    penalties (output counts), no ids suppressed now (min_tokens, which is never active again once it is not) and
+    no structured output (a grammar masks each token by the ones before it, on the host).
     Such rows can draw several tokens in a row on device, each from the same tensors at position + k."""
-    return (params.logprobs is None and not params.uses_penalties
+    return (params.logprobs is None and not params.uses_penalties and params.structured_outputs is None
             and not suppressed_ids(params, num_output, eos_token_ids, vocab_size))

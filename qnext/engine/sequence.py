@@ -11,6 +11,7 @@ import time
 
 from qnext.outputs import SampleLogprobs
 from qnext.sampling_params import SamplingParams
+from qnext.structured.matcher import StructuredState
 from qnext.tokenizer import IncrementalDetokenizer
 
 
@@ -41,6 +42,7 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
+    structured: StructuredState | None = None   # the grammar's matcher when params.structured_outputs is set
 
     @property
     def token_ids(self) -> list[int]:

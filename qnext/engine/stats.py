@@ -41,6 +41,8 @@ class EngineStats:
     device_seconds: float = 0.0      # the jitted step, until its logits (or tokens) are ready
     sample_seconds: float = 0.0      # sampling dispatch and reading tokens back
     postprocess_seconds: float = 0.0   # host: commit, append, stop checks, detokenising, finishing
+    structured_mask_seconds: float = 0.0   # host: structured-output token bitmasks (overlaps the device step)
+    num_structured_masks: int = 0    # rows masked by a grammar, summed over steps
     compilations_at_start: int = dataclasses.field(default_factory=compilations)
 
     def add_phases(self, *, layout: float = 0.0, device: float = 0.0, sample: float = 0.0,

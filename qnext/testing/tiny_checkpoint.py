@@ -29,7 +29,7 @@ _TINY_VISION = {
     "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 16, "hidden_act": "gelu_pytorch_tanh",
 }
 DEMO_FAMILY = "qwen3_5_moe"
-_DEMO_VERSION = 1  # bump when the demo recipe changes so cached demos are rebuilt
+_DEMO_VERSION = 2  # bump when the demo recipe changes so cached demos are rebuilt
 
 
 def tiny_hf_config(family: str, **overrides: Any) -> dict[str, Any]:
@@ -89,9 +89,12 @@ def write_tiny_checkpoint(
     fused_experts: bool = False,
     num_shards: int = 1,
     tie_word_embeddings: bool = False,
+    chat_template: str | None = None,
     **config_overrides: Any,
 ) -> Path:
-    """Writes a random tiny checkpoint of `family` into `out_dir` and returns its path."""
+    """Writes a random tiny checkpoint of `family` into `out_dir` and returns its path. chat_template: the
+    tokenizer's template (default: the Qwen3.5-style TINY_CHAT_TEMPLATE; tests pass TINY_HERMES_CHAT_TEMPLATE
+    for Qwen3-Next's tool-call format)."""
     from qnext.config import ModelConfig
     from qnext.model.weights import as_dtype
 
@@ -126,7 +129,7 @@ def write_tiny_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "config.json", config)
     _write_safetensors(out, tensors, num_shards)
-    tokenizer_eos = _write_tokenizer(out, cfg.vocab_size)
+    tokenizer_eos = _write_tokenizer(out, cfg.vocab_size, chat_template)
     # As in Qwen releases, generation stops at the config's eos and at the tokenizer's end-of-turn token.
     eos = list(cfg.eos_token_ids) + ([tokenizer_eos] if tokenizer_eos not in cfg.eos_token_ids else [])
     generation = {"bos_token_id": text["bos_token_id"], "eos_token_id": eos, "pad_token_id": text["pad_token_id"],
@@ -277,7 +280,7 @@ def _write_safetensors(out: Path, tensors: dict[str, np.ndarray], num_shards: in
     _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
-def _write_tokenizer(out: Path, vocab_size: int) -> int:
+def _write_tokenizer(out: Path, vocab_size: int, chat_template: str | None) -> int:
     """Writes the tokenizer files; returns the tokenizer's end-of-turn token id."""
     try:
         from qnext.testing.tiny_tokenizer import tiny_eos_token_id, write_tiny_tokenizer
@@ -286,5 +289,5 @@ def _write_tokenizer(out: Path, vocab_size: int) -> int:
             "qnext.testing.tiny_tokenizer.write_tiny_tokenizer is needed to write the tiny checkpoint's tokenizer "
             f"files ({e})"
         ) from e
-    write_tiny_tokenizer(out, vocab_size)
+    write_tiny_tokenizer(out, vocab_size, **({"chat_template": chat_template} if chat_template else {}))
     return tiny_eos_token_id(vocab_size)

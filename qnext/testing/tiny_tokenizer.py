@@ -1,4 +1,4 @@
-"""A tiny Qwen-style tokenizer for tests: byte-level BPE trained on a built-in English text, ChatML template."""
+"""A tiny Qwen-style tokenizer for tests: byte-level BPE trained on a built-in English text, Qwen chat templates."""
 
 from __future__ import annotations
 
@@ -16,23 +16,156 @@ TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TINY_ADDED_TOKENS = ("<think>", "</think>")
 _NUM_BYTES = 256
 
+# Qwen3.5's chat format, in a template of our own: tools in the first system turn, XML tool calls, tool results
+# merged into one user turn, reasoning shown only for assistant turns after the last user query. As in
+# Qwen3.5-0.8B, thinking is off unless `enable_thinking=true` (the prompt then ends inside `<think>`);
+# `enable_thinking=false` writes the empty think block.
 TINY_CHAT_TEMPLATE = """\
+{%- macro text(content) %}
+{%- if content is string %}{{- content }}
+{%- elif content is none %}
+{%- else %}{{- content | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') }}
+{%- endif %}
+{%- endmacro %}
+{%- set ns = namespace(last_query=-1) %}
 {%- for message in messages %}
-{%- if message.role not in ['system', 'user', 'assistant'] %}
-{{- raise_exception('unsupported role ' + message.role + '; use system, user or assistant') }}
+{%- if message.role == 'user' and not (message.content is string and message.content.startswith('<tool_response>')) %}
+{%- set ns.last_query = loop.index0 %}
 {%- endif %}
-{%- if message.content is string %}
-{%- set content = message.content %}
+{%- endfor %}
+{%- if tools %}
+{{- '<|im_start|>system\\n# Tools\\n\\nYou may call one or more of these functions:\\n\\n<tools>' }}
+{%- for tool in tools %}
+{{- '\\n' + (tool | tojson) }}
+{%- endfor %}
+{{- '\\n</tools>\\n\\nTo call a function, reply with exactly this format and nothing after it:\\n\\n<tool_call>\\n'
+    '<function=example_function_name>\\n<parameter=example_parameter>\\nvalue\\n</parameter>\\n</function>\\n'
+    '</tool_call>\\n\\n<IMPORTANT>\\nCalls MUST use this format. Give every required parameter.\\n</IMPORTANT>' }}
+{%- if messages and messages[0].role == 'system' %}
+{{- '\\n\\n' + text(messages[0].content) }}
+{%- endif %}
+{{- '<|im_end|>\\n' }}
+{%- elif messages and messages[0].role == 'system' %}
+{{- '<|im_start|>system\\n' + text(messages[0].content) + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}
+{%- if not loop.first %}
+{{- raise_exception('a system message must be the first message') }}
+{%- endif %}
+{%- elif message.role == 'user' %}
+{{- '<|im_start|>user\\n' + text(message.content) + '<|im_end|>\\n' }}
+{%- elif message.role == 'assistant' %}
+{%- set content = text(message.content) %}
+{%- set reasoning = '' %}
+{%- if message.reasoning_content is string %}
+{%- set reasoning = message.reasoning_content %}
+{%- elif '</think>' in content %}
+{%- set reasoning = content.split('</think>')[0].split('<think>')[-1] %}
+{%- set content = content.split('</think>')[-1] %}
+{%- endif %}
+{%- set content = content.strip() %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if loop.index0 > ns.last_query and reasoning.strip() %}
+{{- '<think>\\n' + reasoning.strip() + '\\n</think>\\n\\n' }}
+{%- endif %}
+{{- content }}
+{%- for call in message.tool_calls or [] %}
+{%- set call = call.function if call.function is defined else call %}
+{%- if loop.first %}{{- '\\n\\n' if content else '' }}{%- else %}{{- '\\n' }}{%- endif %}
+{{- '<tool_call>\\n<function=' + call.name + '>\\n' }}
+{%- if call.arguments is mapping %}
+{%- for key, value in call.arguments.items() %}
+{{- '<parameter=' + key + '>\\n' }}
+{{- value if value is string else (value | tojson) }}
+{{- '\\n</parameter>\\n' }}
+{%- endfor %}
+{%- elif call.arguments %}
+{{- raise_exception('tool call arguments must be an object') }}
+{%- endif %}
+{{- '</function>\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}
+{%- if ns.last_query < 0 %}
+{{- raise_exception('a tool result needs a user query before it') }}
+{%- endif %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+{{- '<|im_start|>user' }}
+{%- endif %}
+{{- '\\n<tool_response>\\n' + text(message.content) + '\\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+{{- '<|im_end|>\\n' }}
+{%- endif %}
 {%- else %}
-{%- set content = message.content | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}
+{{- raise_exception('unsupported role ' + message.role + '; use system, user, assistant or tool') }}
 {%- endif %}
-{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
 {%- endfor %}
 {%- if add_generation_prompt %}
 {{- '<|im_start|>assistant\\n' }}
-{%- if enable_thinking is defined and enable_thinking is false %}
+{%- if enable_thinking is defined and enable_thinking is true %}
+{{- '<think>\\n' }}
+{%- elif enable_thinking is defined and enable_thinking is false %}
 {{- '<think>\\n\\n</think>\\n\\n' }}
 {%- endif %}
+{%- endif %}
+"""
+
+# Qwen3-Next-Instruct's format (for tests): tools as JSON lines, calls as JSON in <tool_call>, no thinking.
+TINY_HERMES_CHAT_TEMPLATE = """\
+{%- macro text(content) %}
+{%- if content is string %}{{- content }}
+{%- elif content is none %}
+{%- else %}{{- content | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') }}
+{%- endif %}
+{%- endmacro %}
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages and messages[0].role == 'system' %}
+{{- text(messages[0].content) + '\\n\\n' }}
+{%- endif %}
+{{- '# Tools\\n\\nYou may call one or more functions. Their signatures are in <tools></tools>:\\n<tools>' }}
+{%- for tool in tools %}
+{{- '\\n' + (tool | tojson) }}
+{%- endfor %}
+{{- '\\n</tools>\\n\\nFor each call, return a JSON object with the function name and arguments inside '
+    '<tool_call></tool_call> tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n'
+    '</tool_call><|im_end|>\\n' }}
+{%- elif messages and messages[0].role == 'system' %}
+{{- '<|im_start|>system\\n' + text(messages[0].content) + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}
+{%- if not loop.first %}
+{{- raise_exception('a system message must be the first message') }}
+{%- endif %}
+{%- elif message.role == 'user' %}
+{{- '<|im_start|>user\\n' + text(message.content) + '<|im_end|>\\n' }}
+{%- elif message.role == 'assistant' %}
+{%- set content = text(message.content).strip() %}
+{{- '<|im_start|>assistant\\n' + content }}
+{%- for call in message.tool_calls or [] %}
+{%- set call = call.function if call.function is defined else call %}
+{%- if loop.first %}{{- '\\n' if content else '' }}{%- else %}{{- '\\n' }}{%- endif %}
+{{- '<tool_call>\\n{"name": "' + call.name + '", "arguments": ' }}
+{{- call.arguments if call.arguments is string else (call.arguments | tojson) }}
+{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+{{- '<|im_start|>user' }}
+{%- endif %}
+{{- '\\n<tool_response>\\n' + text(message.content) + '\\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+{{- '<|im_end|>\\n' }}
+{%- endif %}
+{%- else %}
+{{- raise_exception('unsupported role ' + message.role + '; use system, user, assistant or tool') }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
 {%- endif %}
 """
 
@@ -104,9 +237,10 @@ def build_tiny_tokenizer(vocab_size: int = 512) -> tokenizers.Tokenizer:
     return tok
 
 
-def write_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> None:
-    """Writes tokenizer.json and tokenizer_config.json (ChatML template, eos <|im_end|>, pad <|endoftext|>) to
-    out_dir. The same arguments always give byte-identical files."""
+def write_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512,
+                         chat_template: str = TINY_CHAT_TEMPLATE) -> None:
+    """Writes tokenizer.json and tokenizer_config.json (Qwen3.5-style template unless another is given, eos
+    <|im_end|>, pad <|endoftext|>) to out_dir. The same arguments always give byte-identical files."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(vocab_size)
@@ -123,7 +257,7 @@ def write_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> None:
         "model_max_length": 131072,
         "clean_up_tokenization_spaces": False,
         "added_tokens_decoder": added,
-        "chat_template": TINY_CHAT_TEMPLATE,
+        "chat_template": chat_template,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
                                                    encoding="utf-8")

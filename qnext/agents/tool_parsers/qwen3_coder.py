@@ -1,0 +1,106 @@
+"""Qwen3.5's XML tool calls (vLLM's `qwen3_coder`):
+
+    <tool_call>
+    <function=NAME>
+    <parameter=KEY>
+    VALUE
+    </parameter>
+    </function>
+    </tool_call>
+
+Values are raw text with one newline after `<parameter=KEY>` and one before `</parameter>` (both dropped); they
+become JSON with the tool's schema types. A parameter is reported when its value ends: at `</parameter>`, or at a
+tag that shows the closing tag was left out (`<parameter=`, `</function>`, `</tool_call>`), or at the end of the
+output. Text between parameters that is not a tag is ignored."""
+from __future__ import annotations
+
+import json
+import re
+
+from qnext.agents.text_scan import find_first, settled_length
+from qnext.agents.tool_parsers.base import CALL_END, Header, ToolCallParser
+from qnext.agents.tool_parsers.schema_values import value_to_json
+
+FUNCTION_START = "<function="
+PARAM_START, PARAM_END, FUNCTION_END = "<parameter=", "</parameter>", "</function>"
+NAME = re.compile(r"[A-Za-z0-9_.:\-]+")
+_BODY_TAGS = (PARAM_START, FUNCTION_END, CALL_END)
+_VALUE_ENDS = (PARAM_END, PARAM_START, FUNCTION_END, CALL_END)
+
+
+class Qwen3CoderToolParser(ToolCallParser):
+    def match_header(self, text: str, final: bool) -> tuple[Header, str, int]:
+        s = text.lstrip()
+        skipped = len(text) - len(s)
+        if len(s) < len(FUNCTION_START):
+            return (Header.WAIT if FUNCTION_START.startswith(s) and not final else Header.NO), "", 0
+        if not s.startswith(FUNCTION_START):
+            return Header.NO, "", 0
+        end = s.find(">", len(FUNCTION_START))
+        name = s[len(FUNCTION_START):end if end >= 0 else len(s)]
+        if name and not NAME.fullmatch(name):
+            return Header.NO, "", 0
+        if end < 0:
+            return (Header.NO if final else Header.WAIT), "", 0
+        if not name:
+            return Header.NO, "", 0
+        return Header.YES, name, skipped + end + 1
+
+    def begin_body(self, name: str) -> None:
+        self._properties = (self.tool_schemas.get(name) or {}).get("properties") or {}
+        self._key: str | None = None            # the parameter whose value is being read
+        self._after_function = False
+        self._num_params = 0
+
+    def read_body(self, text: str, final: bool) -> tuple[list[str], int, bool]:
+        fragments: list[str] = []
+        pos = 0
+        while True:
+            rest = text[pos:]
+            if self._after_function:
+                s = rest.lstrip()
+                if s.startswith(CALL_END):
+                    return self._close(fragments), len(text) - len(s) + len(CALL_END), True
+                if not final and CALL_END.startswith(s):
+                    return fragments, pos, False
+                return self._close(fragments), pos, True
+            if self._key is not None:
+                found = find_first(rest, _VALUE_ENDS)
+                if found is None and not final:
+                    return fragments, pos, False
+                value = rest if found is None else rest[:found[0]]
+                fragments.append(self._parameter(self._key, value))
+                self._key = None
+                if found is None:
+                    return self._close(fragments), len(text), True
+                pos += found[0] + (len(PARAM_END) if found[1] == PARAM_END else 0)
+                continue
+            found = find_first(rest, _BODY_TAGS)
+            if found is None:
+                if final:
+                    return self._close(fragments), len(text), True
+                return fragments, pos + settled_length(rest, _BODY_TAGS, False), False
+            i, tag = found
+            if tag == CALL_END:
+                return self._close(fragments), pos + i + len(CALL_END), True
+            if tag == FUNCTION_END:
+                self._after_function = True
+                pos += i + len(FUNCTION_END)
+                continue
+            end = rest.find(">", i)
+            if end < 0:
+                if final:
+                    return self._close(fragments), len(text), True
+                return fragments, pos + i, False
+            self._key = rest[i + len(PARAM_START):end].strip()
+            pos += end + 1
+
+    def _parameter(self, key: str, value: str) -> str:
+        value = value.removeprefix("\n").removesuffix("\n")
+        fragment = json.dumps(key, ensure_ascii=False) + ": " + value_to_json(value, self._properties.get(key))
+        self._num_params += 1
+        return ("{" if self._num_params == 1 else ", ") + fragment
+
+    def _close(self, fragments: list[str]) -> list[str]:
+        fragments.append("}" if self._num_params else "{}")
+        return fragments

@@ -1,0 +1,72 @@
+"""A request's structured-output state: its llguidance matcher, advanced on every accepted token, and the
+token bitmask of the next step for the rows that need one.
+
+With `start_after` the output is free until it has emitted that exact id sequence (the end of the reasoning, say);
+the matcher sees only the tokens after it. The state always matches the request's output tokens (it advances in
+postprocess, once per appended token), so a preempted request that recomputes its output keeps it as it is.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+# The finish reason of a request whose grammar reached a dead end: the sampled token is not one the grammar allows
+# (every token was masked, e.g. the only allowed one was suppressed by min_tokens, or the grammar cannot continue
+# with this vocabulary). vLLM's name for a request that ended on an engine-side error; stop_reason says why.
+DEAD_END = "error"
+
+
+class StructuredState:
+    def __init__(self, matcher: llguidance.LLMatcher, start_after: Sequence[int] | None = None):
+        self.matcher = matcher
+        self.start_after = tuple(start_after or ())
+        self.active = not self.start_after       # the grammar applies to the next token
+        self._tail: list[int] = []               # last tokens, while waiting for start_after
+        self.error: str | None = None
+
+    def advance(self, token_id: int) -> bool:
+        """Feeds one sampled output token. False: the grammar does not allow it, a dead end (`error` says why; the
+        matcher stays in its error state and the request must end)."""
+        if not self.active:
+            self._tail = (self._tail + [token_id])[-len(self.start_after):]
+            self.active = tuple(self._tail) == self.start_after
+            return True
+        if self.matcher.consume_token(token_id):
+            return True
+        self.error = f"structured output dead end: token {token_id} is not allowed by the grammar"
+        return False
+
+    @property
+    def needs_mask(self) -> bool:
+        return self.active and not self.matcher.is_stopped()
+
+    @property
+    def is_complete(self) -> bool:
+        """The grammar is active and can take no further token (eos included): the output is a full match."""
+        return self.active and self.matcher.is_stopped() and not self.matcher.is_error()
+
+
+_executor: llguidance.LLExecutor | None = None
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def fill_bitmask(rows: Sequence[tuple[int, StructuredState]], num_rows: int, vocab_size: int) -> np.ndarray:
+    """[num_rows, ceil(V / 32)] int32 bitmask: bit t of row i (word t // 32, bit t % 32) set = token t allowed.
+    Rows not listed allow everything (all ones); the listed rows' states must need a mask. Computed by
+    llguidance's thread pool when several rows need one."""
+    global _executor
+    bitmask = np.full((num_rows, bitmask_words(vocab_size)), -1, np.int32)
+    if len(rows) == 1:
+        i, state = rows[0]
+        llguidance.numpy.fill_next_token_bitmask(state.matcher, bitmask, i)
+    elif rows:
+        if _executor is None:
+            _executor = llguidance.LLExecutor()
+        llguidance.numpy.fill_next_token_bitmask_par(_executor, [(s.matcher, i) for i, s in rows], bitmask)
+    return bitmask
