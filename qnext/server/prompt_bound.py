@@ -25,3 +25,14 @@ class PromptBound:
             raise bad_request(f"the prompt has {len(text)} characters, which is more than max_model_len "
                               f"{self.max_model_len} tokens can hold with this tokenizer (at most "
                               f"{self.max_chars} characters); shorten it", param)
+
+    def check_messages(self, messages: list[dict], param: str = "messages") -> None:
+        """Chat messages whose text alone is too long, before the template renders them (the prompt holds every
+        message's content at least)."""
+        if self.max_chars is None:
+            return
+        total = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+        if total > self.max_chars:
+            raise bad_request(f"the messages hold {total} characters, which is more than max_model_len "
+                              f"{self.max_model_len} tokens can hold with this tokenizer (at most "
+                              f"{self.max_chars} characters); shorten them", param)
