@@ -15,6 +15,7 @@ import json
 from typing import Any
 
 from qnext.server.errors import bad_request
+from qnext.server.sampling_extras import sampling_extras
 
 
 def _require(cond: bool, message: str, param: str) -> None:
@@ -218,6 +219,7 @@ def chat_request(body: dict, *, count_only: bool = False) -> dict:
     top_k = _number(body, "top_k", int)
     if top_k is not None:
         out["top_k"] = top_k
+    out.update(sampling_extras(body))
     stop = body.get("stop_sequences")
     if stop:
         _require(isinstance(stop, list) and all(isinstance(s, str) and s for s in stop),

@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from qnext.server.errors import bad_request
+from qnext.server.sampling_extras import sampling_extras
 
 FREEFORM_PARAMETER = "input"
 SKIPPED_TOOL_TYPES = ("web_search", "web_search_preview")
@@ -247,4 +248,5 @@ def chat_request(body: dict, history: list[dict] | None = None) -> tuple[dict, s
             out[name] = float(value)
     if body.get("top_k") is not None:
         out["top_k"] = body["top_k"]
+    out.update(sampling_extras(body))
     return out, freeform

@@ -28,7 +28,7 @@ def step_failed(e: Exception) -> APIError:
 
 
 class OpenAIServing:
-    def __init__(self, async_engine: AsyncEngine, model_name: str, aliases: Sequence[str] = ()):
+    def __init__(self, async_engine: AsyncEngine, model_name: str, *, aliases: Sequence[str] = ()):
         engine = async_engine.engine
         self.async_engine = async_engine
         self.model_name = model_name
