@@ -1,4 +1,5 @@
-"""The FastAPI application: OpenAI routes, /health and /metrics over one AsyncEngine."""
+"""The FastAPI application: OpenAI routes, Anthropic Messages and OpenAI Responses routes, /health and /metrics
+over one AsyncEngine."""
 from __future__ import annotations
 
 import contextlib
@@ -8,6 +9,7 @@ from typing import Sequence
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from qnext.server.agent_serving import AgentServing
 from qnext.server.auth import APIKeyMiddleware
 from qnext.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from qnext.server.engine_loop import AsyncEngine
@@ -33,7 +35,7 @@ def build_app(engine, *, model_name: str, aliases: Sequence[str] = (), max_waiti
     `api_key`, /v1 routes want it (auth.py); bodies past `max_request_bytes` get 413 (body_limit.py)."""
     async_engine, metrics = build_async_engine(engine, max_waiting_requests=max_waiting_requests,
                                                model_name=model_name)
-    serving = OpenAIServing(async_engine, model_name, aliases)
+    serving = OpenAIServing(async_engine, model_name, aliases=aliases)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -58,6 +60,20 @@ def build_app(engine, *, model_name: str, aliases: Sequence[str] = (), max_waiti
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await serving.chat_completions(request)
+
+    agents = AgentServing(serving)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        return await agents.messages(request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        return await agents.count_tokens(request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await agents.responses(request)
 
     @app.get("/v1/models")
     async def models():
