@@ -60,6 +60,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--no-warm-up", action="store_true", help="compile step shapes on first use instead of at start")
+    p.add_argument("--tool-call-parser", choices=["qwen3_coder", "hermes", "none"],
+                   help="the format the model writes tool calls in (default: read from the chat template: "
+                        "qwen3_coder for Qwen3.5's XML calls, hermes for Qwen3-Next's JSON calls)")
+    p.add_argument("--reasoning-parser", choices=["qwen3", "none"],
+                   help="how the model's thinking is split from its answer (default: qwen3 when the chat template "
+                        "opens <think>)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM compatibility; tool_choice 'auto' is always served")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_access_arguments(p)
 
@@ -108,6 +116,7 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
         return 2
     freeze_startup_heap()              # a long-running front end: the cyclic GC skips the start-up heap
     app = build_app(llm.engine, model_name=names[0], aliases=names[1:], max_waiting_requests=args.max_waiting_requests,
+                    tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                     api_key=args.api_key, max_request_bytes=args.max_request_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from qnext.sampling_params import SamplingParams
+from qnext.server.chat_request import ChatInputs
 from qnext.server.errors import bad_request
 
 MAX_LOGPROBS = 20
@@ -138,7 +139,7 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatMessage(BaseModel):
-    # Unknown keys (name, tool_calls, tool_call_id, ...) go through to the chat template untouched.
+    # Other keys (tool_calls, tool_call_id, reasoning_content, name, ...) go through to the chat template.
     model_config = ConfigDict(strict=True, extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None
@@ -159,14 +160,12 @@ class ChatCompletionRequest(_SamplingRequest):
     store: bool | None = None
     service_tier: str | None = None
 
+    # vLLM's extra fields
+    structured_outputs: dict[str, Any] | None = None     # one of json, regex, choice, grammar, json_object
+    include_reasoning: bool = True
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise bad_request("tools are not supported by this server", "tools")
-        if self.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice is not supported by this server", "tool_choice")
-        if self.response_format not in (None, {"type": "text"}):
-            raise bad_request("response_format other than {'type': 'text'} is not supported", "response_format")
         if self.top_logprobs is not None:
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
                 raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}",
@@ -180,27 +179,10 @@ class ChatCompletionRequest(_SamplingRequest):
     def _num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def template_messages(self) -> list[dict[str, Any]]:
-        """Messages as the chat template takes them: content as one string, `developer` as `system`."""
-        out = []
-        for i, m in enumerate(self.messages):
-            message = {**(m.model_extra or {}), "role": "system" if m.role == "developer" else m.role,
-                       "content": _message_text(m.content, i)}
-            out.append(message)
-        return out
-
-
-def _message_text(content: Any, index: int) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise bad_request(f"messages[{index}].content[{j}] is a {kind!r} part; only text parts "
-                                  "({'type': 'text', 'text': ...}) are supported", f"messages.{index}.content")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise bad_request(f"messages[{index}].content must be a string or a list of text parts, "
-                      f"got {type(content).__name__}", f"messages.{index}.content")
+    def chat_inputs(self) -> ChatInputs:
+        """The request's chat part, for ChatTranslator (messages as plain dicts, unknown keys kept)."""
+        messages = [{**(m.model_extra or {}), "role": m.role, "content": m.content} for m in self.messages]
+        return ChatInputs(messages=messages, tools=self.tools, tool_choice=self.tool_choice,
+                          parallel_tool_calls=self.parallel_tool_calls, response_format=self.response_format,
+                          structured_outputs=self.structured_outputs, chat_template_kwargs=self.chat_template_kwargs,
+                          include_reasoning=self.include_reasoning, add_generation_prompt=self.add_generation_prompt)

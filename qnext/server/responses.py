@@ -5,6 +5,7 @@ import json
 import time
 import uuid
 
+from qnext.agents.events import ContentDelta, Event, ParsedOutput, ReasoningDelta, ToolCallArgsDelta, ToolCallStart
 from qnext.outputs import Logprob, RequestOutput, SampleLogprobs
 
 
@@ -86,10 +87,25 @@ def completion_body(env: Envelope, out: RequestOutput, logprobs: dict | None, re
     return env.body("text_completion", [choice], usage=usage(out), **ids)
 
 
-def chat_body(env: Envelope, out: RequestOutput, logprobs: dict | None, return_token_ids: bool) -> dict:
+def chat_message(parsed: ParsedOutput) -> dict:
+    """The assistant message: content (None when the output is only tool calls), reasoning under both names
+    (`reasoning_content` as SGLang and most clients read it, `reasoning` as vLLM and Codex do), tool_calls."""
+    message = {"role": "assistant", "content": parsed.content or (None if parsed.tool_calls else "")}
+    if parsed.reasoning is not None:
+        message["reasoning_content"] = message["reasoning"] = parsed.reasoning
+    if parsed.tool_calls:
+        message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name,
+                                                                            "arguments": c.arguments}}
+                                 for c in parsed.tool_calls]
+    return message
+
+
+def chat_body(env: Envelope, out: RequestOutput, logprobs: dict | None, return_token_ids: bool,
+              parsed: ParsedOutput) -> dict:
     c = out.outputs[0]
-    choice = {"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
-              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+    reason = "tool_calls" if c.finish_reason == "stop" and parsed.tool_calls else c.finish_reason
+    choice = {"index": 0, "message": chat_message(parsed), "logprobs": logprobs,
+              "finish_reason": reason, "stop_reason": c.stop_reason,
               **({"token_ids": list(c.token_ids)} if return_token_ids else {})}
     ids = {"prompt_token_ids": list(out.prompt_token_ids)} if return_token_ids else {}
     return env.body("chat.completion", [choice], usage=usage(out), **ids)
@@ -109,6 +125,23 @@ def chat_chunk(env: Envelope, delta: dict, logprobs: dict | None, finish_reason:
     choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
               **({"token_ids": token_ids} if token_ids is not None else {})}
     return env.body("chat.completion.chunk", [choice], **({"usage": None} if with_usage_field else {}))
+
+
+def chat_deltas(events: list[Event]) -> list[dict]:
+    """Parser events as chat-completion chunk deltas: text as `content` / `reasoning_content` + `reasoning`; a tool
+    call as its id and name first (arguments ""), then its arguments in JSON fragments (OpenAI's shapes)."""
+    deltas = []
+    for e in events:
+        if isinstance(e, ContentDelta):
+            deltas.append({"content": e.text})
+        elif isinstance(e, ReasoningDelta):
+            deltas.append({"reasoning_content": e.text, "reasoning": e.text})
+        elif isinstance(e, ToolCallStart):
+            deltas.append({"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
+                                           "function": {"name": e.name, "arguments": ""}}]})
+        elif isinstance(e, ToolCallArgsDelta):
+            deltas.append({"tool_calls": [{"index": e.index, "function": {"arguments": e.fragment}}]})
+    return deltas
 
 
 def usage_chunk(env: Envelope, object_type: str, out: RequestOutput) -> dict:

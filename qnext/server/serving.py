@@ -4,15 +4,16 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator, Sequence
 
-import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from qnext.agents import OutputParser
 from qnext.engine.llm_engine import validate_prompt
 from qnext.outputs import RequestOutput
 from qnext.sampling_params import SamplingParams
 from qnext.server import responses as R
+from qnext.server.chat_request import ChatTranslator, finish_reason, parsed_deltas
 from qnext.server.engine_loop import AsyncEngine, EngineStepError, EngineStoppedError, QueueFullError
 from qnext.server.errors import APIError, bad_request, from_validation_error
 from qnext.server.prompt_bound import PromptBound
@@ -28,7 +29,8 @@ def step_failed(e: Exception) -> APIError:
 
 
 class OpenAIServing:
-    def __init__(self, async_engine: AsyncEngine, model_name: str, *, aliases: Sequence[str] = ()):
+    def __init__(self, async_engine: AsyncEngine, model_name: str, *, aliases: Sequence[str] = (),
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         engine = async_engine.engine
         self.async_engine = async_engine
         self.model_name = model_name
@@ -37,6 +39,9 @@ class OpenAIServing:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
         self.prompt_bound = PromptBound(self.tokenizer, self.max_model_len)
+        self.translator = ChatTranslator(self.tokenizer, tool_call_parser=tool_call_parser,
+                                         reasoning_parser=reasoning_parser,
+                                         check_structured=getattr(engine, "validate_structured_outputs", None))
 
     # ---- endpoints ---------------------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -61,20 +66,21 @@ class OpenAIServing:
     async def chat_completions(self, request: Request) -> Response:
         req = await parse(request, ChatCompletionRequest)
         self._check_model(req.model)
-        params = req.sampling_params()
-        messages = req.template_messages()
-        text = await asyncio.to_thread(self._render_chat, messages, req.add_generation_prompt,
-                                       req.chat_template_kwargs or {})
-        token_ids = await asyncio.to_thread(self._encode, text)
-        stream = await self._admit(R.new_id("chatcmpl"), text, token_ids, params)
+        inputs = req.chat_inputs()
+        self.prompt_bound.check_messages(inputs.messages)
+        chat = await asyncio.to_thread(self.translator.translate, inputs, req.sampling_params())
+        stream = await self._admit(R.new_id("chatcmpl"), chat.prompt, chat.prompt_token_ids, chat.params)
         env = R.Envelope("chatcmpl", self.model_name)
+        parser = chat.new_output_parser()
+        k = chat.params.logprobs
         if req.stream:
-            return event_stream(self._chat_events(stream, env, params.logprobs, req), stream)
+            return event_stream(self._chat_events(stream, env, k, req, parser), stream)
         out, token_ids, logprobs = await collect(stream, request)
         if out is None:
             return Response(status_code=499)
-        lp = R.chat_logprobs(token_ids, logprobs, params.logprobs) if params.logprobs is not None else None
-        return JSONResponse(R.chat_body(env, out, lp, req.return_token_ids))
+        lp = R.chat_logprobs(token_ids, logprobs, k) if k is not None else None
+        parsed = parser.parse_whole(out.outputs[0].text)
+        return JSONResponse(R.chat_body(env, out, lp, req.return_token_ids, parsed))
 
     # ---- the request side: prompt, checks, admission -------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
@@ -89,15 +95,6 @@ class OpenAIServing:
                               "prompt")
         self.prompt_bound.check(text)
         return self.tokenizer.encode(text)
-
-    def _render_chat(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
-        if self.tokenizer is None or self.tokenizer.chat_template is None:
-            raise bad_request("this checkpoint has no chat template; use /v1/completions", "messages")
-        try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      **kwargs)
-        except (jinja2.TemplateError, TypeError, ValueError) as e:
-            raise bad_request(f"the chat template could not render these messages: {e}", "messages") from e
 
     def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> None:
         n, limit = len(token_ids), self.max_model_len
@@ -143,16 +140,20 @@ class OpenAIServing:
                 yield R.sse(R.usage_chunk(env, "text_completion", d.output))
 
     async def _chat_events(self, stream: RequestStream, env: R.Envelope, k: int | None,
-                           req: ChatCompletionRequest) -> AsyncIterator[str]:
+                           req: ChatCompletionRequest, parser: OutputParser) -> AsyncIterator[str]:
         yield R.sse(R.chat_chunk(env, {"role": "assistant", "content": ""}, None, None, req.include_usage,
                                  [] if req.return_token_ids else None))
-        async for d in stream:
+        async for d, events in parsed_deltas(stream, parser):
             lp = R.chat_logprobs(d.token_ids, d.logprobs, k) if k is not None and d.logprobs else None
-            finish = d.output.outputs[0].finish_reason if d.output.finished else None
+            finish = finish_reason(d.output, parser.num_tool_calls) if d.output.finished else None
             ids = d.token_ids if req.return_token_ids else None
-            if d.text or lp or finish or ids:
-                delta = {"content": d.text} if d.text else {}
-                yield R.sse(R.chat_chunk(env, delta, lp, finish, req.include_usage, ids))
+            deltas = R.chat_deltas(events)
+            if not deltas and (lp or finish or ids):
+                deltas = [{}]
+            for i, delta in enumerate(deltas):
+                first, last = i == 0, i == len(deltas) - 1
+                yield R.sse(R.chat_chunk(env, delta, lp if first else None, finish if last else None,
+                                         req.include_usage, ids if first else None))
             if d.output.finished and req.include_usage:
                 yield R.sse(R.usage_chunk(env, "chat.completion.chunk", d.output))
 

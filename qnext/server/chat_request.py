@@ -1,0 +1,297 @@
+"""The one translation of a chat-style request into what the engine and the output parser need.
+
+Every chat API of the server (OpenAI chat completions here; Anthropic Messages and Responses translate their bodies
+into the same OpenAI-shaped messages and tools first) goes through `ChatTranslator.translate`:
+
+    inputs = ChatInputs(messages=[...], tools=[...], tool_choice="required", ...)      # OpenAI shapes
+    chat = translator.translate(inputs, sampling_params)      # APIError (400) naming what is wrong
+    stream = await admit(chat.prompt, chat.prompt_token_ids, chat.params)
+    parser = chat.new_output_parser()
+    async for delta, events in parsed_deltas(stream, parser): ...   # ReasoningDelta, ContentDelta, ToolCall*
+    finish_reason(final_output, parser)                             # "tool_calls" when calls were made
+
+What it decides: the prompt (the checkpoint's chat template with the tools, the assistant calls and tool results,
+chat_template_kwargs such as enable_thinking); whether the output starts inside `<think>`; the constraint
+(`response_format`, `structured_outputs`, or the grammar of a forced tool call for tool_choice `required` / a named
+function), set to start after `</think>` when the output starts in reasoning; and which parsers read the output.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Any, AsyncIterator, Callable
+
+import jinja2
+
+from qnext.agents import OutputParser, default_reasoning_parser, default_tool_parser, prompt_ends_in_reasoning
+from qnext.agents.events import Event
+from qnext.agents.reasoning import REASONING_PARSERS, THINK_END
+from qnext.agents.tool_grammar import ToolGrammarError, tool_call_grammar
+from qnext.agents.tool_parsers import TOOL_PARSERS
+from qnext.outputs import RequestOutput
+from qnext.sampling_params import SamplingParams, StructuredOutputsParams
+from qnext.server.errors import bad_request
+from qnext.server.request_stream import RequestStream, StreamDelta
+
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
+STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclasses.dataclass
+class ChatInputs:
+    """A chat request in OpenAI's shapes (chat completions' field names)."""
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None      # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None              # None: true
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None     # vLLM's field: one of json, regex, choice, grammar, ...
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
+    add_generation_prompt: bool = True
+
+
+@dataclasses.dataclass
+class ChatRequest:
+    prompt: str
+    prompt_token_ids: list[int]
+    params: SamplingParams                  # with structured_outputs set when the output is constrained
+    reasoning: bool                         # the output starts inside `<think>`
+    tool_parser: str | None                 # the format tool calls are parsed in; None: calls stay content
+    tools: list[dict[str, Any]]
+    tool_choice: str                        # "none" | "auto" | "required" | "function"
+    include_reasoning: bool
+
+    def new_output_parser(self) -> OutputParser:
+        return OutputParser(reasoning=self.reasoning, tool_parser=self.tool_parser, tools=self.tools,
+                            include_reasoning=self.include_reasoning)
+
+
+class ChatTranslator:
+    """One per served checkpoint. tool_call_parser / reasoning_parser: names, or None for the defaults read from
+    the chat template ("none" turns one off). check_structured(params): the engine's check of a constraint
+    (ValueError naming the problem), or None to leave it to admission."""
+
+    def __init__(self, tokenizer, *, tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                 check_structured: Callable[[SamplingParams], None] | None = None):
+        template = tokenizer.chat_template if tokenizer is not None else None
+        if tool_call_parser not in (None, "none", *TOOL_PARSERS):
+            raise ValueError(f"unknown tool-call parser {tool_call_parser!r}; known: {sorted(TOOL_PARSERS)}")
+        if reasoning_parser not in (None, "none", *REASONING_PARSERS):
+            raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; known: {list(REASONING_PARSERS)}")
+        self.tokenizer = tokenizer
+        self.tool_call_parser = default_tool_parser(template) if tool_call_parser is None else tool_call_parser
+        self.reasoning_parser = default_reasoning_parser(template) if reasoning_parser is None else reasoning_parser
+        if self.tool_call_parser == "none":
+            self.tool_call_parser = None
+        if self.reasoning_parser == "none":
+            self.reasoning_parser = None
+        self.think_end_id = tokenizer.token_to_id(THINK_END) if tokenizer is not None else None
+        self._check_structured = check_structured
+
+    def translate(self, inputs: ChatInputs, params: SamplingParams) -> ChatRequest:
+        tools = check_tools(inputs.tools)
+        choice, forced_name = check_tool_choice(inputs.tool_choice, tools)
+        if tools and choice != "none" and self.tool_call_parser is None:
+            raise bad_request("this checkpoint's chat template has no tool-call format; start the server with "
+                              f"--tool-call-parser ({' or '.join(TOOL_PARSERS)}) to use tools", "tools")
+        constraint, param = structured_request(inputs.response_format, inputs.structured_outputs)
+        if constraint is not None and choice in ("required", "function"):
+            raise bad_request(f"{param} and tool_choice={_choice_text(inputs.tool_choice)} both constrain the output; "
+                              "send one of them", param)
+        kwargs = dict(inputs.chat_template_kwargs or {})
+        messages = template_messages(inputs.messages)
+        prompt = self.render(messages, tools, inputs.add_generation_prompt, kwargs)
+        token_ids = self.encode(prompt)
+        reasoning = self.reasoning_parser is not None and inputs.add_generation_prompt \
+            and prompt_ends_in_reasoning(prompt)
+        if choice in ("required", "function"):
+            parallel = inputs.parallel_tool_calls is not False and choice == "required"
+            try:
+                grammar = tool_call_grammar(tools, self.tool_call_parser, name=forced_name, parallel=parallel)
+            except ToolGrammarError as e:
+                raise bad_request(str(e), "tools") from None
+            constraint, param = {"grammar": grammar}, "tools"
+        if constraint is not None:
+            start_after = [self.think_end_id] if reasoning and self.think_end_id is not None else None
+            try:
+                spec = StructuredOutputsParams(**constraint, start_after=start_after)
+                params = dataclasses.replace(params, structured_outputs=spec)
+                if self._check_structured is not None:
+                    self._check_structured(params)
+            except ValueError as e:
+                raise bad_request(f"{param}: {e}", param) from None
+        return ChatRequest(prompt, token_ids, params, reasoning,
+                           self.tool_call_parser if tools and choice != "none" else None, tools, choice,
+                           inputs.include_reasoning)
+
+    def render(self, messages: list[dict], tools: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
+        if self.tokenizer is None or self.tokenizer.chat_template is None:
+            raise bad_request("this checkpoint has no chat template; use /v1/completions", "messages")
+        if tools:
+            kwargs["tools"] = tools
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      **kwargs)
+        except (jinja2.TemplateError, TypeError, ValueError) as e:
+            raise bad_request(f"the chat template could not render these messages: {e}", "messages") from e
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+
+# ---- checks ----------------------------------------------------------------------------------------------------------
+def check_tools(tools: list | None) -> list[dict]:
+    """OpenAI function tools, checked: 400 naming the first one the server cannot serve."""
+    out = []
+    for i, tool in enumerate(tools or []):
+        if not isinstance(tool, dict):
+            raise bad_request(f"tools[{i}] must be an object", f"tools.{i}")
+        if tool.get("type", "function") != "function":
+            raise bad_request(f"tools[{i}] has type {tool.get('type')!r}; this server serves only tools of type "
+                              "'function'", f"tools.{i}.type")
+        fn = tool.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"tools[{i}].function must be an object with a name", f"tools.{i}.function")
+        if not FUNCTION_NAME.fullmatch(fn["name"]):
+            raise bad_request(f"tools[{i}].function.name {fn['name']!r} must be 1-128 letters, digits, _ . : or -",
+                              f"tools.{i}.function.name")
+        parameters = fn.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object",
+                              f"tools.{i}.function.parameters")
+        out.append({"type": "function", "function": fn})
+    names = [t["function"]["name"] for t in out]
+    if len(set(names)) != len(names):
+        raise bad_request(f"tools has two functions with the same name: {names}", "tools")
+    return out
+
+
+def check_tool_choice(tool_choice, tools: list[dict]) -> tuple[str, str | None]:
+    """-> ("none" | "auto" | "required" | "function", the forced function's name)."""
+    names = [t["function"]["name"] for t in tools]
+    if tool_choice is None:
+        return ("auto" if tools else "none"), None
+    if tool_choice in ("none", "auto", "required"):
+        if tool_choice == "required" and not tools:
+            raise bad_request("tool_choice 'required' needs at least one tool in tools", "tool_choice")
+        return tool_choice, None
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str):
+            raise bad_request("tool_choice must name the function: {'type': 'function', 'function': {'name': ...}}",
+                              "tool_choice")
+        if name not in names:
+            known = ", ".join(names) if names else "no tools were given"
+            raise bad_request(f"tool_choice names the function {name!r}, which is not in tools ({known})",
+                              "tool_choice")
+        return "function", name
+    raise bad_request(f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', 'function': "
+                      f"{{'name': ...}}}}, got {tool_choice!r}", "tool_choice")
+
+
+def _choice_text(tool_choice) -> str:
+    return repr(tool_choice) if isinstance(tool_choice, str) else "a named function"
+
+
+def structured_request(response_format: dict | None, structured_outputs: dict | None) -> tuple[dict | None, str]:
+    """response_format or vLLM's structured_outputs -> (StructuredOutputsParams fields, the request field)."""
+    fmt = None
+    if response_format is not None:
+        kind = response_format.get("type")
+        if kind == "json_schema":
+            spec = response_format.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise bad_request("response_format json_schema needs json_schema.schema, a JSON schema object",
+                                  "response_format")
+            fmt = {"json": schema}
+        elif kind == "json_object":
+            fmt = {"json_object": True}
+        elif kind != "text":
+            raise bad_request(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                              "response_format")
+    if structured_outputs:
+        if fmt is not None:
+            raise bad_request("response_format and structured_outputs both constrain the output; send one",
+                              "structured_outputs")
+        unknown = sorted(set(structured_outputs) - set(STRUCTURED_FIELDS))
+        if unknown:
+            raise bad_request(f"structured_outputs has unknown fields {unknown}; it takes one of "
+                              f"{', '.join(STRUCTURED_FIELDS)}", "structured_outputs")
+        return dict(structured_outputs), "structured_outputs"
+    return fmt, "response_format"
+
+
+# ---- messages -------------------------------------------------------------------------------------------------------
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI messages as the chat template takes them: content as one string, `developer` as `system`, tool-call
+    arguments as objects (OpenAI sends them as JSON text), `reasoning` also as `reasoning_content`."""
+    out = []
+    for i, m in enumerate(messages):
+        message = dict(m)
+        if message.get("role") == "developer":
+            message["role"] = "system"
+        message["content"] = message_text(message.get("content"), i)
+        if message.get("role") == "assistant":
+            if "reasoning_content" not in message and isinstance(message.get("reasoning"), str):
+                message["reasoning_content"] = message["reasoning"]
+            if message.get("tool_calls"):
+                message["tool_calls"] = [_call_for_template(c, i, j) for j, c in enumerate(message["tool_calls"])]
+        out.append(message)
+    return out
+
+
+def _call_for_template(call: Any, i: int, j: int) -> dict:
+    where = f"messages[{i}].tool_calls[{j}]"
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad_request(f"{where} must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}",
+                          f"messages.{i}.tool_calls")
+    arguments = fn.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError as e:
+            raise bad_request(f"{where}.function.arguments is not valid JSON: {e}", f"messages.{i}.tool_calls") \
+                from None
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        raise bad_request(f"{where}.function.arguments must be a JSON object", f"messages.{i}.tool_calls")
+    return {**call, "function": {**fn, "arguments": arguments}}
+
+
+def message_text(content: Any, index: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise bad_request(f"messages[{index}].content[{j}] is a {kind!r} part; only text parts "
+                                  "({'type': 'text', 'text': ...}) are supported", f"messages.{index}.content")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise bad_request(f"messages[{index}].content must be a string or a list of text parts, "
+                      f"got {type(content).__name__}", f"messages.{index}.content")
+
+
+# ---- the output side --------------------------------------------------------------------------------------------------
+async def parsed_deltas(stream: RequestStream, parser: OutputParser
+                        ) -> AsyncIterator[tuple[StreamDelta, list[Event]]]:
+    """The request's deltas, each with the parser events its text settled (the last one also those of finish())."""
+    async for d in stream:
+        events = parser.feed(d.text) if d.text else []
+        if d.output.finished:
+            events += parser.finish()
+        yield d, events
+
+
+def finish_reason(out: RequestOutput, num_tool_calls: int) -> str | None:
+    """The engine's finish reason, with "stop" reported as "tool_calls" when the output made calls."""
+    reason = out.outputs[0].finish_reason
+    return "tool_calls" if reason == "stop" and num_tool_calls else reason
