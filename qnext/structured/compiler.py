@@ -34,10 +34,7 @@ def grammar_spec(params: StructuredOutputsParams) -> str:
         return llguidance.LLMatcher.grammar_from_regex(params.regex)
     if kind == "choice":
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
-    try:                                        # Lark in llguidance's dialect; GBNF is converted
-        return llguidance.grammar_from("grammar", params.grammar)
-    except ValueError as e:
-        raise ValueError(f"structured_outputs.grammar: {e}") from None
+    return llguidance.grammar_from("grammar", params.grammar)   # Lark in llguidance's dialect; GBNF is converted
 
 
 def _cache_key(params: StructuredOutputsParams) -> tuple[str, str]:
