@@ -10,22 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from qnext.sampling_params import SamplingParams
 from qnext.server import anthropic_request, responses_request
 from qnext.server.agent_stream import run_to_end, streaming_response
 from qnext.server.anthropic_response import AnthropicMessageBuilder
-from qnext.sampling_params import SamplingParams
-from qnext.server.chat_request import ChatInputs, ChatRequest, ChatTranslator
+from qnext.server.chat_request import ChatInputs, ChatRequest
 from qnext.server.errors import APIError, bad_request
 from qnext.server.responses_response import ResponseBuilder, new_id
 from qnext.server.responses_store import ResponseStore
 from qnext.server.sampling_extras import EXTRA_FIELDS
-
-logger = logging.getLogger("qnext.server")
 
 # Request fields a Responses object repeats back.
 _RESPONSE_ECHO = ("instructions", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p",
@@ -61,8 +58,8 @@ def sampling_params(chat_body: dict) -> SamplingParams:
 
 class AgentServing:
     def __init__(self, serving, store_size: int = 256):
-        self.serving = serving                         # OpenAIServing: model names, tokenizer, admission
-        self.translator = getattr(serving, "translator", None) or ChatTranslator(serving.tokenizer)
+        self.serving = serving           # OpenAIServing: model names, the chat translator, prompt bound, admission
+        self.translator = serving.translator
         self.store = ResponseStore(store_size)
 
     # ---- shared ------------------------------------------------------------------------------------------------

@@ -6,9 +6,9 @@ user's text, answering the previous assistant turn); `tools` [{name, description
 tool_choice auto / any / tool / none -> "auto" / "required" / a named function / "none"; `thinking` enabled /
 disabled -> the template's enable_thinking (Claude Code's `adaptive` counts as enabled). A `system` message inside
 `messages` (Claude Code sends one) becomes a user turn at its place: the Qwen templates take a system message only
-first, and folding it into the system prompt would change the prompt's prefix and lose the prefix cache. `cache_control` is accepted anywhere and ignored (qnext caches every
-prefix on its own); `metadata` and fields this server does not know are ignored, as Anthropic's own API does for
-beta fields a client may send."""
+first, and folding it into the system prompt would change the prompt's prefix and lose the prefix cache.
+`cache_control` is accepted anywhere and ignored (qnext caches every prefix on its own); `metadata` and fields this
+server does not know (Claude Code's context_management, output_config, ...) are ignored."""
 from __future__ import annotations
 
 import json

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from qnext.server.errors import bad_request
 
-EXTRA_FIELDS = {"seed": int, "min_tokens": int, "ignore_eos": bool, "min_p": (int, float), "repetition_penalty": (int, float)}
+EXTRA_FIELDS = {"seed": int, "min_tokens": int, "ignore_eos": bool, "min_p": (int, float),
+                "repetition_penalty": (int, float)}
 
 
 def sampling_extras(body: dict) -> dict:
