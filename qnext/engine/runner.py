@@ -91,7 +91,7 @@ class ModelRunner:
         if not rows:
             return None
         t0 = time.perf_counter()
-        bitmask = fill_bitmask(rows, plan.bucket.sizes.num_logits, self.cfg.vocab_size)
+        bitmask = fill_bitmask(rows, plan.bucket.sizes.num_logits, self.cfg.vocab_size, self.cfg.eos_token_ids)
         self.stats.structured_mask_seconds += time.perf_counter() - t0
         self.stats.num_structured_masks += len(rows)
         return bitmask
