@@ -111,7 +111,9 @@ def test_start_after_waits_for_the_exact_sequence(compiler, tok):
         assert state.advance(t)
     assert state.active and allowed(state) <= {tok.token_to_id(str(d)) for d in range(10)} | {
         t for t in range(512) if tok.decode([t]).isdigit()}
+    twin = state.copy()
     assert not state.advance(tok.token_to_id("a"))
+    assert twin.advance(tok.token_to_id("7")) and twin.error is None, "a copy shares its matcher with the original"
 
 
 def test_bitmask_bits_match_the_sampler_unpacking():
@@ -141,3 +143,20 @@ def test_eos_ids_are_masked_until_the_grammar_accepts(compiler, tok):
     assert hash_id not in allowed_with_eos([hash_id]) and tok.token_to_id("a") in allowed_with_eos([hash_id])
     feed(state, tok, "a")
     assert state.matcher.is_accepting() and hash_id in allowed_with_eos([hash_id])
+
+
+def test_library_bench_runs_on_a_synthetic_vocabulary():
+    """scripts/bench_structured.py's library part, small: the document is valid for its schema, llguidance masks it
+    token by token on a synthetic byte-level vocabulary of the requested size."""
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    from qnext.bench.grammar_libraries import ORDER_DOCUMENT, ORDER_SCHEMA, compare
+    from qnext.bench.synthetic_tokenizer import synthetic_tokenizer
+
+    jsonschema.validate(json.loads(ORDER_DOCUMENT), ORDER_SCHEMA)
+    tok = synthetic_tokenizer(3000)
+    assert tok.get_vocab_size() == 3000 and tok.decode(tok.encode(ORDER_DOCUMENT).ids) == ORDER_DOCUMENT
+    result = compare(tok, tok.token_to_id("<|endoftext|>"), libraries=("llguidance",), log=lambda msg: None)
+    summary = result["llguidance"]
+    assert summary["num_tokens"] > 20 and summary["mask_us_p50"] > 0 and summary["compile_ms"] > 0

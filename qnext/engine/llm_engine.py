@@ -9,6 +9,7 @@ a new engine on the same directory and the same model loads it at start (docs/ca
 """
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import logging
 import threading
@@ -113,8 +114,8 @@ class LLMEngine:
                                    host_buffers=host_buffers)
         self.requests: dict[str, Sequence] = {}
         self._request_counter = 0
-        self._grammar_compiler: GrammarCompiler | None = None
-        self._compiler_lock = threading.Lock()
+        self._grammar_compiler = None if tokenizer is None else _background(
+            GrammarCompiler.for_tokenizer, tokenizer, cfg.vocab_size, cfg.eos_token_ids or tokenizer.eos_token_ids)
 
     def warm_up(self, on_bucket=None) -> int:
         """Compiles every step shape (and the common sampler variants); after it a workload compiles nothing.
@@ -152,13 +153,10 @@ class LLMEngine:
             validate_structured(params, self.grammar_compiler())
 
     def grammar_compiler(self) -> GrammarCompiler | None:
-        """The engine's structured-output compiler (built on first use; None without a tokenizer)."""
-        with self._compiler_lock:
-            if self._grammar_compiler is None and self.tokenizer is not None:
-                eos = self.model_config.eos_token_ids or self.tokenizer.eos_token_ids
-                self._grammar_compiler = GrammarCompiler.for_tokenizer(self.tokenizer, self.model_config.vocab_size,
-                                                                       eos)
-            return self._grammar_compiler
+        """The engine's structured-output compiler (None without a tokenizer); its build starts in the background
+        when the engine starts (seconds at a 248k vocabulary), so the first constrained request waits at most for
+        the rest of it."""
+        return self._grammar_compiler.result() if self._grammar_compiler is not None else None
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
         if self._closed:
@@ -171,9 +169,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         structured = None
         if params.structured_outputs is not None:
-            self.validate_structured_outputs(params)
-            spec = params.structured_outputs
-            structured = StructuredState(self._grammar_compiler.compile(spec), spec.start_after)
+            matcher = validate_structured(params, self.grammar_compiler())
+            structured = StructuredState(matcher, params.structured_outputs.start_after)
         detokenizer = IncrementalDetokenizer(self.tokenizer, params) if self.tokenizer is not None else None
         seq = Sequence(request_id, [int(t) for t in token_ids], params, self._request_counter, prompt=text,
                        detokenizer=detokenizer, structured=structured)
@@ -286,6 +283,19 @@ class LLMEngine:
     def release(self, request_id: str) -> None:
         """Forget a finished request's bookkeeping (the LLM front end calls it after returning the output)."""
         self.requests.pop(request_id, None)
+
+
+def _background(fn, *args) -> concurrent.futures.Future:
+    """fn(*args) on a daemon thread (holding no reference to the engine, which may be freed meanwhile)."""
+    future = concurrent.futures.Future()
+
+    def run():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:        # re-raised by future.result() in the caller
+            future.set_exception(e)
+    threading.Thread(target=run, name="qnext-grammar-tokenizer", daemon=True).start()
+    return future
 
 
 def validate_prompt(token_ids, params: SamplingParams, vocab_size: int, max_model_len: int) -> None:

@@ -96,15 +96,16 @@ class GrammarCompiler:
         return matcher
 
 
-def validate(params: SamplingParams, compiler: GrammarCompiler | None) -> None:
-    """Checks a request's structured_outputs before admission (compiling it, so admission then hits the cache).
-    ValueError when it is invalid or the engine has no tokenizer to compile it for."""
+def validate(params: SamplingParams, compiler: GrammarCompiler | None) -> llguidance.LLMatcher | None:
+    """Checks a request's structured_outputs before admission and returns its fresh matcher (None when it has
+    none); the compiled grammar stays cached. ValueError when the spec is invalid or there is no tokenizer to
+    compile it for."""
     if params.structured_outputs is None:
-        return
+        return None
     if compiler is None:
         raise ValueError("structured_outputs need the checkpoint's tokenizer (tokenizer.json), which this engine "
                          "does not have")
-    compiler.compile(params.structured_outputs)
+    return compiler.compile(params.structured_outputs)
 
 
 def _first_lines(message: str, limit: int = 600) -> str:
