@@ -26,6 +26,8 @@ def test_history_with_thinking_tool_use_and_results():
                 {"role": "user", "content": [
                     {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "sunny"}]},
                     {"type": "tool_result", "tool_use_id": "toolu_2", "content": "no such city", "is_error": True},
+                    {"type": "tool_result", "tool_use_id": "toolu_3", "content": [
+                        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]},
                     {"type": "text", "text": "And tomorrow?", "cache_control": {"type": "ephemeral"}}]}],
             "tools": [{"name": "weather", "description": "Weather now", "cache_control": {"type": "ephemeral"},
                        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}],
@@ -41,6 +43,7 @@ def test_history_with_thinking_tool_use_and_results():
                          "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
         {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: no such city"},
+        {"role": "tool", "tool_call_id": "toolu_3", "content": "[image omitted: this model reads text only]"},
         {"role": "user", "content": "And tomorrow?"}]
     assert chat["tools"] == [{"type": "function", "function": {
         "name": "weather", "description": "Weather now",

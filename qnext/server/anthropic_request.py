@@ -23,7 +23,12 @@ def _require(cond: bool, message: str, param: str) -> None:
         raise bad_request(message, param)
 
 
-def _text_of_blocks(blocks: Any, param: str, allowed: tuple[str, ...] = ("text",)) -> str:
+# A tool's result may hold an image or a document (Claude Code's Read of a PNG): the model cannot see it, but the
+# turn must go on, so it is named in the text instead of refusing the whole conversation.
+_UNREADABLE_IN_RESULTS = ("image", "document")
+
+
+def _text_of_blocks(blocks: Any, param: str, in_tool_result: bool = False) -> str:
     """A string, or a list of text blocks, as one string."""
     if isinstance(blocks, str):
         return blocks
@@ -31,8 +36,11 @@ def _text_of_blocks(blocks: Any, param: str, allowed: tuple[str, ...] = ("text",
     texts = []
     for i, block in enumerate(blocks):
         kind = block.get("type") if isinstance(block, dict) else None
-        _require(kind in allowed, f"{param}[{i}] is a {kind!r} block; only {', '.join(allowed)} blocks are "
-                                  "supported here", f"{param}.{i}")
+        if in_tool_result and kind in _UNREADABLE_IN_RESULTS:
+            texts.append(f"[{kind} omitted: this model reads text only]")
+            continue
+        _require(kind == "text", f"{param}[{i}] is a {kind!r} block; only text blocks are supported here",
+                 f"{param}.{i}")
         _require(isinstance(block.get("text"), str), f"{param}[{i}].text must be a string", f"{param}.{i}.text")
         texts.append(block["text"])
     return "\n".join(texts)
@@ -41,7 +49,7 @@ def _text_of_blocks(blocks: Any, param: str, allowed: tuple[str, ...] = ("text",
 def _tool_result(block: dict, param: str) -> dict:
     _require(isinstance(block.get("tool_use_id"), str), f"{param}.tool_use_id must be a string", param)
     content = block.get("content", "")
-    text = _text_of_blocks(content, f"{param}.content") if content is not None else ""
+    text = _text_of_blocks(content, f"{param}.content", in_tool_result=True) if content is not None else ""
     if block.get("is_error"):
         text = f"Error: {text}"
     return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": text}
