@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from qnext.agents.events import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
+from qnext.server.chat_request import parsed_deltas
 from qnext.server.engine_loop import EngineStepError, EngineStoppedError
 from qnext.server.errors import APIError
 from qnext.server.request_stream import RequestStream
@@ -74,15 +75,12 @@ async def drive(stream: RequestStream, parser, sink: OutputSink) -> AsyncIterato
     """Runs the request to its end, yielding the sink's events. Engine failures propagate (EngineStepError,
     EngineStoppedError)."""
     started = False
-    async for delta in stream:
+    async for delta, events in parsed_deltas(stream, parser):       # the chat route's loop too
         out = delta.output
         if not started:
             started = True
             for e in sink.start(len(out.prompt_token_ids), out.num_cached_tokens):
                 yield e
-        events = list(parser.feed(delta.text)) if delta.text else []
-        if out.finished:
-            events += parser.finish()
         for event in events:
             for e in dispatch(sink, event):
                 yield e
