@@ -128,6 +128,12 @@ def test_arguments_stream_before_the_call_ends():
     events = p.feed(xml_call("get_weather", city="Oslo", days="2")[:-30])
     assert events[0].name == "get_weather"
     assert "".join(e.fragment for e in events[1:]) == '{"city": "Oslo"'
+    # a string value streams as it is written (a newline that may end it is held back); other types when complete
+    p = parser("qwen3_coder")
+    events = p.feed('<tool_call>\n<function=get_weather>\n<parameter=code>\nif a:\n    b = "x"\n')
+    assert "".join(e.fragment for e in events[1:]) == '{"code": "if a:\\n    b = \\"x\\"'
+    events = p.feed("</parameter>\n<parameter=days>\n1")
+    assert "".join(e.fragment for e in events) == '"'
 
 
 def test_prose_after_a_literal_tag_is_not_held_back():
