@@ -95,3 +95,21 @@ def test_bad_history_arguments(backend):
         {"id": "c1", "type": "function", "function": {"name": "search", "arguments": "{not json"}}]}]
     with pytest.raises(APIError, match=r"messages\[1\].tool_calls\[0\].function.arguments is not valid JSON"):
         translator(backend).translate(ChatInputs(messages, tools=[TOOL]), SamplingParams())
+
+
+def test_parser_flags_override_the_template(backend):
+    from qnext.server.cli import build_parser
+
+    args = build_parser()[0].parse_args(["serve", "--tool-call-parser", "hermes", "--reasoning-parser", "none"])
+    t = translator(backend, tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+    assert (t.tool_call_parser, t.reasoning_parser) == ("hermes", None)
+    chat = t.translate(ChatInputs(USER, tools=[TOOL], tool_choice="required",
+                                  chat_template_kwargs={"enable_thinking": True}), SamplingParams())
+    grammar = chat.params.structured_outputs.grammar
+    assert not chat.reasoning and '\\"arguments\\": ' in grammar and "<function=" not in grammar
+    off = translator(backend, tool_call_parser="none")
+    with pytest.raises(APIError, match="no tool-call format"):
+        off.translate(ChatInputs(USER, tools=[TOOL]), SamplingParams())
+    assert off.translate(ChatInputs(USER, tools=[TOOL], tool_choice="none"), SamplingParams()).tool_parser is None
+    with pytest.raises(ValueError, match="unknown tool-call parser"):
+        translator(backend, tool_call_parser="mistral")
