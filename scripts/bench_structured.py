@@ -60,11 +60,10 @@ def run_pass(engine, prompts, output_len: int, spec, tag: str) -> dict:
     for rid in ids:
         engine.release(rid)
     if spec:        # every output is a prefix the schema accepts (checked by a fresh matcher)
-        from qnext import StructuredOutputsParams
         for out in finished.values():
             m = engine.grammar_compiler().compile(StructuredOutputsParams(json=spec))
             assert m.consume_tokens(out.token_ids), out.text[:200]
-    return {"seconds": total, "decode_tokens_per_s": decode_tokens / decode_s if decode_s else None,
+    return {"seconds": total, "decode_tokens_per_s": decode_tokens / decode_s if decode_s else 0.0,
             "decode_steps_seconds": decode_s, "decode_tokens": decode_tokens,
             "decode_step_ms_p50": 1e3 * float(np.median(step_times)) if step_times else None,
             "mask_ms_per_decode_step": (1e3 * (s.structured_mask_seconds - mask_s) / max(1, len(step_times))),
@@ -97,6 +96,7 @@ def bench_engine(args, log) -> dict:
     engine.validate_structured_outputs(qnext.SamplingParams(structured_outputs=StructuredOutputsParams(
         json=ENGINE_SCHEMA)))
     cached_s = time.perf_counter() - t0
+    # tokenizer_setup_ms: what was left of llguidance's tokenizer build (it starts with the engine, in the background)
     result = {"model": args.model, "vocab_size": vocab, "input_len": args.input_len, "output_len": args.output_len,
               "tokenizer_setup_ms": 1e3 * setup_s, "schema_compile_ms": 1e3 * compile_s,
               "schema_cached_compile_ms": 1e3 * cached_s, "batches": []}
@@ -111,8 +111,8 @@ def bench_engine(args, log) -> dict:
                      f"warm-{name}-{b}")
         passes = {name: [] for name in modes}
         for r in range(args.repeats):
-            again = [[(t * (2 * r + 3) + 7 * r) % (vocab - 40) + 3 for t in p] for p in prompts]
-            for name, spec in modes.items():
+            for m, (name, spec) in enumerate(modes.items()):     # new tokens each pass: no prefix-cache hits
+                again = [[(t * (2 * r + 3) + 7 * r + 13 * m) % (vocab - 40) + 3 for t in p] for p in prompts]
                 p = run_pass(engine, again, args.output_len, spec, f"{name}-{b}-{r}")
                 passes[name].append(p)
                 log(f"[engine] batch {b} {name:4} pass {r + 1}: {p['decode_tokens_per_s']:.1f} decode tok/s, "
@@ -125,12 +125,14 @@ def bench_engine(args, log) -> dict:
         row["decode_step_ms_median_of_passes"] = step
         row["json_slowdown_median_step"] = step["json"] / step["none"] - 1
         # each json pass against the none pass just before it: the host's load drifts over minutes, less in seconds
-        paired = [1 - j["decode_tokens_per_s"] / n["decode_tokens_per_s"] for n, j in zip(passes["none"], passes["json"])]
+        paired = [1 - j["decode_tokens_per_s"] / n["decode_tokens_per_s"]
+                  for n, j in zip(passes["none"], passes["json"])]
         row["json_slowdown_paired_median"] = float(np.median(paired))
         row["json_slowdown_paired"] = paired
         log(f"[engine] batch {b}: none {best['none']['decode_tokens_per_s']:.1f} tok/s, json "
             f"{best['json']['decode_tokens_per_s']:.1f} tok/s ({100 * row['json_slowdown']:+.1f}% slower); median "
-            f"decode step {step['none']:.1f} vs {step['json']:.1f} ms ({100 * row['json_slowdown_median_step']:+.1f}%); "
+            f"decode step {step['none']:.1f} vs {step['json']:.1f} ms "
+            f"({100 * row['json_slowdown_median_step']:+.1f}%); "
             f"paired passes: median {100 * row['json_slowdown_paired_median']:+.1f}% slower")
         result["batches"].append(row)
     return result

@@ -61,10 +61,11 @@ CASES = [
     ("qwen3_coder", False, "Let me check.\n\n" + xml_call("get_weather", city="Paris", days="3", metric="True",
                                                            ratio="0.5", opts='{"a": [1, "x"]}', tags="[1,2]"),
      ParsedOutput(None, "Let me check.", calls(("get_weather", '{"city": "Paris", "days": 3, "metric": true, '
-                                                              '"ratio": 0.5, "opts": {"a": [1, "x"]}, "tags": [1, 2]}')))),
+                                                 '"ratio": 0.5, "opts": {"a": [1, "x"]}, "tags": [1, 2]}')))),
     ("qwen3_coder", False, xml_call("get_weather", city="3", code="if a < b:\n    return '</tool'\n") + "\n"
      + xml_call("search", query="lighthouses") + "\n",
-     ParsedOutput(None, "", calls(("get_weather", json.dumps({"city": "3", "code": "if a < b:\n    return '</tool'\n"})),
+     ParsedOutput(None, "", calls(("get_weather",
+                                   json.dumps({"city": "3", "code": "if a < b:\n    return '</tool'\n"})),
                                   ("search", '{"query": "lighthouses"}')))),
     # an undeclared parameter and a mistyped integer stay strings; a call without parameters has `{}`
     ("qwen3_coder", False, xml_call("get_weather", days="three", unknown="7") + xml_call("search"),
@@ -79,7 +80,8 @@ CASES = [
     ("qwen3_coder", False, "a <tool_call><function=bad name> b <tool_call>\n<function=search>\n</function>\ntail",
      ParsedOutput(None, "a <tool_call><function=bad name> b\ntail", calls(("search", "{}")))),
     # a call inside the reasoning stays reasoning; the one after </think> is parsed
-    ("qwen3_coder", True, "maybe " + xml_call("search", query="x") + "\n</think>\n\nOK " + xml_call("search", query="y"),
+    ("qwen3_coder", True,
+     "maybe " + xml_call("search", query="x") + "\n</think>\n\nOK " + xml_call("search", query="y"),
      ParsedOutput("maybe " + xml_call("search", query="x") + "\n", "OK", calls(("search", '{"query": "y"}')))),
     ("hermes", False, "Sure.\n" + json_call("get_weather", '{"city": "Pa}ris\\"", "days": [1, {"x": 2}]}') + "\n"
      + json_call("search", '{}'),
@@ -87,11 +89,15 @@ CASES = [
                                        ("search", "{}")))),
     # hermes: a header that is not a call, arguments that are not an object, junk after the arguments, a cut-off call
     ("hermes", False, '<tool_call>\n{"arguments": {}, "name": "search"}\n</tool_call>\n<tool_call>{"name": "search", '
-     '"arguments": 5}</tool_call>x' + '<tool_call>{"name":"search","arguments":{"q":1} oops' + json_call("search", '{"q": "a'),
+     '"arguments": 5}</tool_call>x' + '<tool_call>{"name":"search","arguments":{"q":1} oops'
+     + json_call("search", '{"q": "a'),
      ParsedOutput(None, '<tool_call>\n{"arguments": {}, "name": "search"}\n</tool_call>5}</tool_call>x oops',
                   calls(("search", "{}"), ("search", '{"q":1}'), ("search", '{"q": "a}\n</tool_call>')))),
     ("hermes", True, "<think>" + json_call("search", "{}") + "</think>Done </think>.",
      ParsedOutput("<think>" + json_call("search", "{}"), "Done .", [])),
+    # a call right at the end of the reasoning
+    ("qwen3_coder", True, "plan</think>" + xml_call("search", query="z"),
+     ParsedOutput("plan", "", calls(("search", '{"query": "z"}')))),
     (None, True, "hmm</think>\n\n" + xml_call("search", query="q"),
      ParsedOutput("hmm", xml_call("search", query="q"), [])),
     (None, False, "no <think>reasoning</think> here  \n", ParsedOutput(None, "no reasoning here  \n", [])),
@@ -122,6 +128,12 @@ def test_arguments_stream_before_the_call_ends():
     events = p.feed(xml_call("get_weather", city="Oslo", days="2")[:-30])
     assert events[0].name == "get_weather"
     assert "".join(e.fragment for e in events[1:]) == '{"city": "Oslo"'
+    # a string value streams as it is written (a newline that may end it is held back); other types when complete
+    p = parser("qwen3_coder")
+    events = p.feed('<tool_call>\n<function=get_weather>\n<parameter=code>\nif a:\n    b = "x"\n')
+    assert "".join(e.fragment for e in events[1:]) == '{"code": "if a:\\n    b = \\"x\\"'
+    events = p.feed("</parameter>\n<parameter=days>\n1")
+    assert "".join(e.fragment for e in events) == '"'
 
 
 def test_prose_after_a_literal_tag_is_not_held_back():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import openai
 import pytest
 
@@ -12,7 +13,7 @@ from qnext.sampling_params import StructuredOutputsParams
 from qnext.server.launch import ServerProcess
 from qnext.structured import GrammarCompiler
 from qnext.tokenizer import Tokenizer
-from tests.agent_server_cases import (MESSAGES, TOOLS, WEATHER, assemble_stream, check_forced,
+from tests.agent_server_cases import (MESSAGES, SCHEMAS, TOOLS, WEATHER, assemble_stream, check_forced,
                                       forced_request, write_checkpoint)
 
 MODEL = "tiny-qwen35"
@@ -116,6 +117,25 @@ def test_thinking_on_splits_reasoning_off_has_none(client, checkpoint):
     hidden = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, extra_body={
         "chat_template_kwargs": {"enable_thinking": True}, "include_reasoning": False}).choices[0].message
     assert "reasoning" not in hidden.model_extra
+
+
+def test_forced_call_with_thinking_comes_after_the_reasoning(client):
+    """The grammar starts after `</think>`. Random weights think freely first: some seeds end the output with eos
+    inside the reasoning (no call then), others close it and make the forced call."""
+    calls = 0
+    for seed in range(6):
+        choice = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+            max_tokens=1000, seed=seed, extra_body={"chat_template_kwargs": {"enable_thinking": True}}).choices[0]
+        message = choice.message
+        assert message.model_extra["reasoning"] and not message.content
+        if choice.finish_reason == "tool_calls":
+            call = message.tool_calls[0]
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+            calls += 1
+        else:
+            assert choice.finish_reason == "stop" and not message.tool_calls
+    assert calls >= 1
 
 
 def test_multi_turn_tool_conversation_reuses_the_cache(client):

@@ -111,7 +111,9 @@ def test_start_after_waits_for_the_exact_sequence(compiler, tok):
         assert state.advance(t)
     assert state.active and allowed(state) <= {tok.token_to_id(str(d)) for d in range(10)} | {
         t for t in range(512) if tok.decode([t]).isdigit()}
+    twin = state.copy()
     assert not state.advance(tok.token_to_id("a"))
+    assert twin.advance(tok.token_to_id("7")) and twin.error is None, "a copy shares its matcher with the original"
 
 
 def test_bitmask_bits_match_the_sampler_unpacking():

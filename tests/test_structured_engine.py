@@ -135,12 +135,15 @@ def test_invalid_specs_are_rejected_at_add_request_and_the_engine_keeps_serving(
     assert re.fullmatch(REGEX, done["inflight"].outputs[0].text)
 
 
-def test_compiled_grammars_are_reused_across_requests(llm):
+def test_compiled_grammars_and_cached_prefixes_are_reused(llm):
     compiler = llm.engine.grammar_compiler()
-    run(llm, dict(regex="[0-9]{3}"), seeds=range(2), max_tokens=8)
+    prompt = "a long shared system prompt for a structured answer " * 3
+    run(llm, dict(regex="[0-9]{3}"), seeds=range(2), prompt=prompt, max_tokens=8)
     before = compiler.num_compiled
-    run(llm, dict(regex="[0-9]{3}"), seeds=range(2, 6), max_tokens=8)
+    again = llm.generate(prompt, SamplingParams(seed=9, max_tokens=8,
+                                                structured_outputs=StructuredOutputsParams(regex="[0-9]{3}")))[0]
     assert compiler.num_compiled == before
+    assert again.num_cached_tokens >= 16, "a constrained request's prompt missed the prefix cache"
 
 
 def test_dead_end_finishes_the_request(llm):

@@ -1,12 +1,17 @@
-"""The FastAPI application: OpenAI routes, /health and /metrics over one AsyncEngine."""
+"""The FastAPI application: OpenAI routes, Anthropic Messages and OpenAI Responses routes, /health and /metrics
+over one AsyncEngine."""
 from __future__ import annotations
 
 import contextlib
 import time
+from typing import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from qnext.server.agent_serving import AgentServing
+from qnext.server.auth import APIKeyMiddleware
+from qnext.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from qnext.server.engine_loop import AsyncEngine
 from qnext.server.errors import install_error_handlers
 from qnext.server.metrics import CONTENT_TYPE, ServerMetrics, cache_usage
@@ -23,14 +28,16 @@ def build_async_engine(engine, *, max_waiting_requests: int, model_name: str) ->
     return async_engine, metrics
 
 
-def build_app(engine, *, model_name: str, max_waiting_requests: int = 256, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
-    """An app serving `engine` (an LLMEngine, or anything with its methods). Starting the app starts the engine
-    thread; stopping it aborts what is left and joins the thread. tool_call_parser / reasoning_parser: parser
-    names (None: chosen from the chat template; "none": off)."""
+def build_app(engine, *, model_name: str, aliases: Sequence[str] = (), max_waiting_requests: int = 256,
+              tool_call_parser: str | None = None, reasoning_parser: str | None = None, api_key: str | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """An app serving `engine` (an LLMEngine, or anything with its methods) as `model_name` (and `aliases`).
+    Starting the app starts the engine thread; stopping it aborts what is left and joins the thread.
+    tool_call_parser / reasoning_parser: parser names (None: chosen from the chat template; "none": off). With
+    `api_key`, /v1 routes want it (auth.py); bodies past `max_request_bytes` get 413 (body_limit.py)."""
     async_engine, metrics = build_async_engine(engine, max_waiting_requests=max_waiting_requests,
                                                model_name=model_name)
-    serving = OpenAIServing(async_engine, model_name, tool_call_parser=tool_call_parser,
+    serving = OpenAIServing(async_engine, model_name, aliases=aliases, tool_call_parser=tool_call_parser,
                             reasoning_parser=reasoning_parser)
     created = int(time.time())
 
@@ -45,6 +52,9 @@ def build_app(engine, *, model_name: str, max_waiting_requests: int = 256, tool_
     app = FastAPI(title="qnext", lifespan=lifespan)
     app.state.async_engine, app.state.metrics = async_engine, metrics
     install_error_handlers(app, metrics.count_error)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)       # outermost: refused before the body is read
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -54,11 +64,25 @@ def build_app(engine, *, model_name: str, max_waiting_requests: int = 256, tool_
     async def chat_completions(request: Request):
         return await serving.chat_completions(request)
 
+    agents = AgentServing(serving)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        return await agents.messages(request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        return await agents.count_tokens(request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await agents.responses(request)
+
     @app.get("/v1/models")
     async def models():
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "qnext",
-                "max_model_len": serving.max_model_len}
-        return {"object": "list", "data": [card]}
+        cards = [{"id": name, "object": "model", "created": created, "owned_by": "qnext",
+                  "max_model_len": serving.max_model_len} for name in serving.model_names]
+        return {"object": "list", "data": cards}
 
     @app.get("/health")
     async def health():

@@ -225,7 +225,7 @@ def structured_request(response_format: dict | None, structured_outputs: dict | 
     return fmt, "response_format"
 
 
-# ---- messages -------------------------------------------------------------------------------------------------------
+# ---- messages -----------------------------------------------------------------------------------------------------
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """OpenAI messages as the chat template takes them: content as one string, `developer` as `system`, tool-call
     arguments as objects (OpenAI sends them as JSON text), `reasoning` also as `reasoning_content`."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import signal
 import sys
 
@@ -51,7 +52,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                                             "checkpoint, random weights)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", help="the name clients pass as `model` (default: MODEL as given)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the names clients may pass as `model` (the first is the one reported; default: MODEL as "
+                        "given); e.g. the names an agent sends for its main and small models")
     p.add_argument("--max-waiting-requests", type=int, default=256,
                    help="requests allowed to wait for a batch slot; beyond it the server answers 503")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -66,6 +69,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility; tool_choice 'auto' is always served")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_access_arguments(p)
+
+
+def add_access_arguments(p: argparse.ArgumentParser) -> None:
+    from qnext.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
+    from qnext.server.startup import CACHE_DIR_ENV, default_compilation_cache_dir
+
+    p.add_argument("--api-key", default=os.environ.get("QNEXT_API_KEY") or None,
+                   help="require this key on /v1 routes (Authorization: Bearer, or x-api-key on /v1/messages); "
+                        "default: $QNEXT_API_KEY, else no key")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="larger request bodies are refused with 413 before they are read")
+    p.add_argument("--compilation-cache-dir", default=default_compilation_cache_dir(),
+                   help=f"JAX's persistent compilation cache ('none': off); default ${CACHE_DIR_ENV}, else "
+                        "~/.cache/qnext/jax")
 
 
 def serve(args: argparse.Namespace, engine_options: dict) -> int:
@@ -77,23 +95,29 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
     import qnext
     from qnext.engine.llm_engine import freeze_startup_heap
     from qnext.server.app import build_app
+    from qnext.server.startup import enable_compilation_cache, warm_up_with_progress
     from qnext.testing.tiny_checkpoint import demo_checkpoint_dir
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model, name = args.model, args.served_model_name
+    model, names = args.model, args.served_model_name or []
     if model is None:
         logger.warning("no MODEL given: serving the built-in tiny demo checkpoint (random weights, gibberish text)")
-        model, name = demo_checkpoint_dir(), name or DEMO_MODEL_NAME
-    name = name or str(args.model)
-    logger.info("loading %s with %s", model, engine_options or "the engine's default options")
+        model, names = demo_checkpoint_dir(), names or [DEMO_MODEL_NAME]
+    names = names or [str(args.model)]
+    cache_dir = enable_compilation_cache(args.compilation_cache_dir)
+    logger.info("loading %s with %s; compilation cache: %s", model, engine_options or "the engine's default options",
+                cache_dir or "off")
     try:
-        llm = qnext.LLM(model, warm_up=not args.no_warm_up, progress=logger.info, **engine_options)
+        llm = qnext.LLM(model, progress=logger.info, **engine_options)
+        if not args.no_warm_up:
+            warm_up_with_progress(llm.engine)
     except ValueError as e:                     # a bad option or checkpoint: say which, without a traceback
         logger.error("cannot serve %s: %s", model, e)
         return 2
     freeze_startup_heap()              # a long-running front end: the cyclic GC skips the start-up heap
-    app = build_app(llm.engine, model_name=name, max_waiting_requests=args.max_waiting_requests,
-                    tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+    app = build_app(llm.engine, model_name=names[0], aliases=names[1:], max_waiting_requests=args.max_waiting_requests,
+                    tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                    api_key=args.api_key, max_request_bytes=args.max_request_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
     # uvicorn drains on SIGTERM / SIGINT, then re-raises the signal to the handler it found: make that one a no-op

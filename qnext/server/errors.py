@@ -9,6 +9,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
+from qnext.server.api_shapes import anthropic_error_body, is_anthropic_path
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
@@ -20,8 +22,10 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        """In the shape of the API `path` belongs to (Anthropic's on /v1/messages, else OpenAI's)."""
+        body = anthropic_error_body(self.status, self.message) if is_anthropic_path(path) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -39,20 +43,20 @@ def from_validation_error(e: ValidationError | RequestValidationError) -> APIErr
 
 
 def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] = lambda status: None) -> None:
-    """Every error leaves in the OpenAI shape; on_error(status) is told of each (metrics)."""
-    def respond(e: APIError):
+    """Every error leaves in its route's API shape; on_error(status) is told of each (metrics)."""
+    def respond(e: APIError, request: Request):
         on_error(e.status)
-        return e.response()
+        return e.response(request.url.path)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return respond(e)
+        return respond(e, request)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
-        return respond(from_validation_error(e))
+        return respond(from_validation_error(e), request)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, e: HTTPException):
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return respond(APIError(e.status_code, str(e.detail), type=kind, headers=e.headers))
+        return respond(APIError(e.status_code, str(e.detail), type=kind, headers=e.headers), request)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -17,6 +17,7 @@ from qnext.server import responses as R
 from qnext.server.chat_request import ChatTranslator, ChoiceParsers, finish_reason, parsed_deltas
 from qnext.server.engine_loop import AsyncEngine, EngineStepError, EngineStoppedError, QueueFullError
 from qnext.server.errors import APIError, bad_request, from_validation_error
+from qnext.server.prompt_bound import PromptBound
 from qnext.server.protocol import ChatCompletionRequest, CompletionRequest
 from qnext.server.request_stream import RequestStream
 
@@ -29,14 +30,16 @@ def step_failed(e: Exception) -> APIError:
 
 
 class OpenAIServing:
-    def __init__(self, async_engine: AsyncEngine, model_name: str, *, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None):
+    def __init__(self, async_engine: AsyncEngine, model_name: str, *, aliases: Sequence[str] = (),
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         engine = async_engine.engine
         self.async_engine = async_engine
         self.model_name = model_name
+        self.model_names = tuple(dict.fromkeys([model_name, *aliases]))     # what clients may send as `model`
         self.tokenizer = engine.tokenizer       # thread-safe on its own; the engine itself is not touched here
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
+        self.prompt_bound = PromptBound(self.tokenizer, self.max_model_len)
         self.translator = ChatTranslator(self.tokenizer, tool_call_parser=tool_call_parser,
                                          reasoning_parser=reasoning_parser,
                                          check_structured=getattr(engine, "validate_structured_outputs", None))
@@ -65,7 +68,9 @@ class OpenAIServing:
     async def chat_completions(self, request: Request) -> Response:
         req = await parse(request, ChatCompletionRequest)
         self._check_model(req.model)
-        chat = await asyncio.to_thread(self.translator.translate, req.chat_inputs(), req.sampling_params())
+        inputs = req.chat_inputs()
+        self.prompt_bound.check_messages(inputs.messages)
+        chat = await asyncio.to_thread(self.translator.translate, inputs, req.sampling_params())
         stream = await self._admit(R.new_id("chatcmpl"), chat.prompt, chat.prompt_token_ids, chat.params)
         env = R.Envelope("chatcmpl", self.model_name)
         parsers = ChoiceParsers(chat.new_output_parser)
@@ -82,14 +87,16 @@ class OpenAIServing:
 
     # ---- the request side: prompt, checks, admission -------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+        if model is not None and model not in self.model_names:
+            served = ", ".join(repr(n) for n in self.model_names)
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {served}",
                            param="model", code="model_not_found")
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise bad_request("this checkpoint has no tokenizer.json; send the prompt as a list of token ids",
                               "prompt")
+        self.prompt_bound.check(text)
         return self.tokenizer.encode(text)
 
     def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> None:

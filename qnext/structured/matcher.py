@@ -40,6 +40,12 @@ class StructuredState:
         self.error = f"structured output dead end: token {token_id} is not allowed by the grammar"
         return False
 
+    def copy(self) -> "StructuredState":
+        """An independent state at the same point (a parallel sample's own matcher, n > 1)."""
+        other = StructuredState(self.matcher.deep_copy(), self.start_after)
+        other.active, other._tail, other.error = self.active, list(self._tail), self.error
+        return other
+
     @property
     def needs_mask(self) -> bool:
         """Active and not done; or still waiting for start_after, when the mask only takes eos away (a request

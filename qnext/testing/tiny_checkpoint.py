@@ -29,6 +29,8 @@ _TINY_VISION = {
     "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 16, "hidden_act": "gelu_pytorch_tanh",
 }
 DEMO_FAMILY = "qwen3_5_moe"
+# Room for a prompt with tool schemas (the tiny tokenizer spends ~3 characters a token on JSON).
+DEMO_MAX_POSITIONS = 2048
 _DEMO_VERSION = 2  # bump when the demo recipe changes so cached demos are rebuilt
 
 
@@ -147,7 +149,7 @@ def demo_checkpoint_dir(root: str | Path | None = None) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
     try:
-        write_tiny_checkpoint(tmp, DEMO_FAMILY, seed=0)
+        write_tiny_checkpoint(tmp, DEMO_FAMILY, seed=0, max_position_embeddings=DEMO_MAX_POSITIONS)
         os.replace(tmp, path)  # atomic: readers never see a half-written demo
     except OSError:
         if not (path / "config.json").exists():

@@ -9,9 +9,9 @@
     </tool_call>
 
 Values are raw text with one newline after `<parameter=KEY>` and one before `</parameter>` (both dropped); they
-become JSON with the tool's schema types. A parameter is reported when its value ends: at `</parameter>`, or at a
-tag that shows the closing tag was left out (`<parameter=`, `</function>`, `</tool_call>`), or at the end of the
-output. Text between parameters that is not a tag is ignored."""
+become JSON with the tool's schema types. A value ends at `</parameter>`, or at a tag that shows the closing tag was
+left out (`<parameter=`, `</function>`, `</tool_call>`), or at the end of the output. String values stream as they
+are written; other values are reported when they end. Text between parameters that is not a tag is ignored."""
 from __future__ import annotations
 
 import json
@@ -19,7 +19,7 @@ import re
 
 from qnext.agents.text_scan import find_first, settled_length
 from qnext.agents.tool_parsers.base import CALL_END, Header, ToolCallParser
-from qnext.agents.tool_parsers.schema_values import value_to_json
+from qnext.agents.tool_parsers.schema_values import schema_types, value_to_json
 
 FUNCTION_START = "<function="
 PARAM_START, PARAM_END, FUNCTION_END = "<parameter=", "</parameter>", "</function>"
@@ -67,9 +67,15 @@ class Qwen3CoderToolParser(ToolCallParser):
             if self._key is not None:
                 found = find_first(rest, _VALUE_ENDS)
                 if found is None and not final:
+                    if self._text_value:            # release the settled part of a string value
+                        n = settled_length(rest, _VALUE_ENDS, False)
+                        chunk = self._value_text(rest[:n].removesuffix("\n"), last=False)
+                        if chunk is not None:
+                            fragments.append(chunk)
+                            pos += len(rest[:n].removesuffix("\n"))
                     return fragments, pos, False
                 value = rest if found is None else rest[:found[0]]
-                fragments.append(self._parameter(self._key, value))
+                fragments.append(self._value_end(value))
                 self._key = None
                 if found is None:
                     return self._close(fragments), len(text), True
@@ -93,13 +99,34 @@ class Qwen3CoderToolParser(ToolCallParser):
                     return self._close(fragments), len(text), True
                 return fragments, pos + i, False
             self._key = rest[i + len(PARAM_START):end].strip()
+            self._begin_value()
             pos += end + 1
 
-    def _parameter(self, key: str, value: str) -> str:
-        value = value.removeprefix("\n").removesuffix("\n")
-        fragment = json.dumps(key, ensure_ascii=False) + ": " + value_to_json(value, self._properties.get(key))
+    # A string value (the schema says string, or does not declare the parameter) streams as it is written: the
+    # key and the opening quote first, then escaped text as it settles (a trailing newline is held back: it may be
+    # the one before `</parameter>`), then the closing quote. Other values are converted once they end.
+    def _begin_value(self) -> None:
         self._num_params += 1
-        return ("{" if self._num_params == 1 else ", ") + fragment
+        self._head = ("{" if self._num_params == 1 else ", ") + json.dumps(self._key, ensure_ascii=False) + ": "
+        self._text_value = schema_types(self._properties.get(self._key)) in ([], ["string"])
+        self._value_started = False         # the newline after `<parameter=KEY>` was looked for
+
+    def _value_text(self, text: str, last: bool) -> str | None:
+        """Escaped string text (with the key and quote before the first piece); None: nothing settled yet."""
+        head = ""
+        if not self._value_started:
+            if not text and not last:
+                return None
+            text = text.removeprefix("\n")
+            head, self._value_started = self._head + '"', True
+        escaped = json.dumps(text, ensure_ascii=False)[1:-1]
+        return (head + escaped) if (head or escaped) else None
+
+    def _value_end(self, value: str) -> str:
+        if not self._text_value:
+            value = value.removeprefix("\n").removesuffix("\n")
+            return self._head + value_to_json(value, self._properties.get(self._key))
+        return (self._value_text(value.removesuffix("\n"), last=True) or "") + '"'
 
     def _close(self, fragments: list[str]) -> list[str]:
         fragments.append("}" if self._num_params else "{}")

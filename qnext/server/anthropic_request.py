@@ -1,0 +1,236 @@
+"""An Anthropic Messages request body -> the OpenAI-shaped chat request the chat pipeline takes.
+
+system (a string or text blocks) -> one system message; content blocks: `text` -> content, `thinking` ->
+`reasoning_content`, `tool_use` -> the assistant's `tool_calls`, `tool_result` -> `tool` messages (placed before the
+user's text, answering the previous assistant turn); `tools` [{name, description, input_schema}] -> function tools;
+tool_choice auto / any / tool / none -> "auto" / "required" / a named function / "none"; `thinking` enabled /
+disabled -> the template's enable_thinking (Claude Code's `adaptive` counts as enabled). A `system` message inside
+`messages` (Claude Code sends one) becomes a user turn at its place: the Qwen templates take a system message only
+first, and folding it into the system prompt would change the prompt's prefix and lose the prefix cache.
+`cache_control` is accepted anywhere and ignored (qnext caches every prefix on its own); `metadata` and fields this
+server does not know (Claude Code's context_management, output_config, ...) are ignored."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from qnext.server.errors import bad_request
+from qnext.server.sampling_extras import sampling_extras
+
+
+def _require(cond: bool, message: str, param: str) -> None:
+    if not cond:
+        raise bad_request(message, param)
+
+
+# A tool's result may hold an image or a document (Claude Code's Read of a PNG): the model cannot see it, but the
+# turn must go on, so it is named in the text instead of refusing the whole conversation.
+_UNREADABLE_IN_RESULTS = ("image", "document")
+
+
+def _text_of_blocks(blocks: Any, param: str, in_tool_result: bool = False) -> str:
+    """A string, or a list of text blocks, as one string."""
+    if isinstance(blocks, str):
+        return blocks
+    _require(isinstance(blocks, list), f"{param} must be a string or a list of content blocks", param)
+    texts = []
+    for i, block in enumerate(blocks):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if in_tool_result and kind in _UNREADABLE_IN_RESULTS:
+            texts.append(f"[{kind} omitted: this model reads text only]")
+            continue
+        _require(kind == "text", f"{param}[{i}] is a {kind!r} block; only text blocks are supported here",
+                 f"{param}.{i}")
+        _require(isinstance(block.get("text"), str), f"{param}[{i}].text must be a string", f"{param}.{i}.text")
+        texts.append(block["text"])
+    return "\n".join(texts)
+
+
+def _tool_result(block: dict, param: str) -> dict:
+    _require(isinstance(block.get("tool_use_id"), str), f"{param}.tool_use_id must be a string", param)
+    content = block.get("content", "")
+    text = _text_of_blocks(content, f"{param}.content", in_tool_result=True) if content is not None else ""
+    if block.get("is_error"):
+        text = f"Error: {text}"
+    return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": text}
+
+
+def _tool_use(block: dict, param: str) -> dict:
+    _require(isinstance(block.get("id"), str) and isinstance(block.get("name"), str),
+             f"{param} needs a string id and name", param)
+    arguments = block.get("input", {})
+    _require(isinstance(arguments, dict), f"{param}.input must be an object", f"{param}.input")
+    return {"id": block["id"], "type": "function",
+            "function": {"name": block["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def _user_messages(content: Any, param: str) -> list[dict]:
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
+    _require(isinstance(content, list), f"{param} must be a string or a list of content blocks", param)
+    results, texts = [], []
+    for i, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        where = f"{param}.{i}"
+        if kind == "text":
+            _require(isinstance(block.get("text"), str), f"{where}.text must be a string", where)
+            texts.append(block["text"])
+        elif kind == "tool_result":
+            results.append(_tool_result(block, where))
+        else:
+            raise bad_request(f"{where} is a {kind!r} block; user turns take text and tool_result blocks "
+                              "(this server reads no images or documents)", where)
+    return results + ([{"role": "user", "content": "\n".join(texts)}] if texts or not results else [])
+
+
+def _assistant_message(content: Any, param: str) -> dict:
+    if isinstance(content, str):
+        return {"role": "assistant", "content": content}
+    _require(isinstance(content, list), f"{param} must be a string or a list of content blocks", param)
+    texts, reasoning, calls = [], [], []
+    for i, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        where = f"{param}.{i}"
+        if kind == "text":
+            texts.append(block.get("text") or "")
+        elif kind == "thinking":
+            reasoning.append(block.get("thinking") or "")
+        elif kind == "redacted_thinking":
+            continue                                 # opaque: nothing to show the model
+        elif kind == "tool_use":
+            calls.append(_tool_use(block, where))
+        else:
+            raise bad_request(f"{where} is a {kind!r} block; assistant turns take text, thinking and tool_use "
+                              "blocks", where)
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+    if reasoning:
+        message["reasoning_content"] = "\n".join(reasoning)
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """system + messages -> OpenAI-shaped chat messages."""
+    out: list[dict] = []
+    system = body.get("system")
+    if system is not None:
+        text = _text_of_blocks(system, "system")
+        if text:
+            out.append({"role": "system", "content": text})
+    messages = body.get("messages")
+    _require(isinstance(messages, list) and len(messages) > 0, "messages must be a non-empty list", "messages")
+    for i, m in enumerate(messages):
+        _require(isinstance(m, dict), f"messages[{i}] must be an object", f"messages.{i}")
+        role, param = m.get("role"), f"messages.{i}.content"
+        if role == "user":
+            out.extend(_user_messages(m.get("content"), param))
+        elif role == "assistant":
+            out.append(_assistant_message(m.get("content"), param))
+        elif role == "system":          # Claude Code's mid-conversation system notes: a user turn keeps the prefix
+            out.append({"role": "user", "content": _text_of_blocks(m.get("content"), param)})
+        else:
+            raise bad_request(f"messages[{i}].role must be 'user', 'assistant' or 'system', got {role!r}",
+                              f"messages.{i}.role")
+    return out
+
+
+def chat_tools(body: dict) -> list[dict] | None:
+    tools = body.get("tools")
+    if not tools:
+        return None
+    _require(isinstance(tools, list), "tools must be a list", "tools")
+    out = []
+    for i, tool in enumerate(tools):
+        where = f"tools.{i}"
+        _require(isinstance(tool, dict) and isinstance(tool.get("name"), str), f"{where} needs a string name", where)
+        kind = tool.get("type", "custom")
+        if kind != "custom" or "input_schema" not in tool:
+            raise bad_request(f"{where} ({tool['name']!r}) is a {kind!r} tool; this server runs no server tools: "
+                              "declare client tools with an input_schema", where)
+        _require(isinstance(tool["input_schema"], dict), f"{where}.input_schema must be an object", where)
+        function = {"name": tool["name"], "parameters": tool["input_schema"]}
+        if tool.get("description"):
+            function["description"] = tool["description"]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def chat_tool_choice(body: dict, has_tools: bool) -> tuple[Any, bool | None]:
+    """-> (OpenAI tool_choice, parallel_tool_calls)."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return None, None
+    _require(isinstance(choice, dict), "tool_choice must be an object such as {\"type\": \"auto\"}", "tool_choice")
+    kind = choice.get("type")
+    parallel = False if choice.get("disable_parallel_tool_use") else None
+    if kind in ("any", "tool"):
+        _require(has_tools, f"tool_choice {kind!r} needs tools", "tool_choice")
+    if kind == "auto":
+        return "auto", parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "none":
+        return "none", parallel
+    if kind == "tool":
+        _require(isinstance(choice.get("name"), str), "tool_choice of type 'tool' needs a name", "tool_choice.name")
+        return {"type": "function", "function": {"name": choice["name"]}}, parallel
+    raise bad_request(f"tool_choice.type must be auto, any, tool or none, got {kind!r}", "tool_choice.type")
+
+
+def enable_thinking(body: dict) -> bool | None:
+    thinking = body.get("thinking")
+    if thinking is None:
+        return None
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind in ("enabled", "adaptive"):
+        return True
+    if kind == "disabled":
+        return False
+    raise bad_request(f"thinking.type must be 'enabled' or 'disabled', got {kind!r}", "thinking.type")
+
+
+def _number(body: dict, name: str, kind: type | tuple[type, ...]) -> Any:
+    value = body.get(name)
+    _require(value is None or (isinstance(value, kind) and not isinstance(value, bool)),
+             f"{name} must be a number" if kind is not int else f"{name} must be an integer", name)
+    return value
+
+
+def chat_request(body: dict, *, count_only: bool = False) -> dict:
+    """The whole translation -> an OpenAI chat-completions body (without `model` and `stream`). count_only: for
+    /v1/messages/count_tokens, which has no max_tokens."""
+    _require(isinstance(body, dict), "the request body must be a JSON object", "body")
+    messages = chat_messages(body)
+    tools = chat_tools(body)
+    tool_choice, parallel = chat_tool_choice(body, bool(tools))
+    out: dict[str, Any] = {"messages": messages}
+    if tools:
+        out["tools"] = tools
+    if tool_choice is not None:
+        out["tool_choice"] = tool_choice
+    if parallel is not None:
+        out["parallel_tool_calls"] = parallel
+    thinking = enable_thinking(body)
+    if thinking is not None:
+        out["chat_template_kwargs"] = {"enable_thinking": thinking}
+    if count_only:
+        return out
+    max_tokens = _number(body, "max_tokens", int)
+    _require(max_tokens is not None, "max_tokens is required", "max_tokens")
+    _require(max_tokens >= 1, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+    out["max_tokens"] = max_tokens
+    for name in ("temperature", "top_p"):
+        value = _number(body, name, (int, float))
+        if value is not None:
+            out[name] = float(value)
+    top_k = _number(body, "top_k", int)
+    if top_k is not None:
+        out["top_k"] = top_k
+    out.update(sampling_extras(body))
+    stop = body.get("stop_sequences")
+    if stop:
+        _require(isinstance(stop, list) and all(isinstance(s, str) and s for s in stop),
+                 "stop_sequences must be a list of non-empty strings", "stop_sequences")
+        out["stop"] = stop
+    return out
