@@ -50,6 +50,8 @@ def test_history_with_thinking_tool_use_and_results():
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
     assert chat["tool_choice"] == "required" and chat["parallel_tool_calls"] is False
     assert chat["chat_template_kwargs"] == {"enable_thinking": True}
+    assert chat["thinking_token_budget"] == 1024            # a hard cap on the reasoning, forced by the engine
+    assert "thinking_token_budget" not in chat_request({**body, "thinking": {"type": "disabled"}})
     assert (chat["max_tokens"], chat["stop"], chat["temperature"], chat["top_p"], chat["top_k"]) == \
         (100, ["END"], 0.0, 0.9, 20)
 

@@ -4,7 +4,8 @@ system (a string or text blocks) -> one system message; content blocks: `text` -
 `reasoning_content`, `tool_use` -> the assistant's `tool_calls`, `tool_result` -> `tool` messages (placed before the
 user's text, answering the previous assistant turn); `tools` [{name, description, input_schema}] -> function tools;
 tool_choice auto / any / tool / none -> "auto" / "required" / a named function / "none"; `thinking` enabled /
-disabled -> the template's enable_thinking (Claude Code's `adaptive` counts as enabled). A `system` message inside
+disabled -> the template's enable_thinking (Claude Code's `adaptive` counts as enabled), and `budget_tokens` ->
+thinking_token_budget (the engine forces `</think>` once it is spent). A `system` message inside
 `messages` (Claude Code sends one) becomes a user turn at its place: the Qwen templates take a system message only
 first, and folding it into the system prompt would change the prompt's prefix and lose the prefix cache.
 `cache_control` is accepted anywhere and ignored (qnext caches every prefix on its own); `metadata` and fields this
@@ -216,6 +217,11 @@ def chat_request(body: dict, *, count_only: bool = False) -> dict:
         out["chat_template_kwargs"] = {"enable_thinking": thinking}
     if count_only:
         return out
+    budget = body["thinking"].get("budget_tokens") if thinking else None
+    if budget is not None:        # a hard cap: </think> is forced once it is spent (vLLM's thinking_token_budget)
+        _require(isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0,
+                 f"thinking.budget_tokens must be a non-negative integer, got {budget!r}", "thinking.budget_tokens")
+        out["thinking_token_budget"] = budget
     max_tokens = _number(body, "max_tokens", int)
     _require(max_tokens is not None, "max_tokens is required", "max_tokens")
     _require(max_tokens >= 1, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
