@@ -328,7 +328,8 @@ def agent_table(summaries: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for s in summaries:
         r = s["recompute"]
-        lines.append(f"{s['run']:<16}{s['requests']:>6}{s['failed']:>5}{s['tool_calls_valid']:>12}"
+        lines.append(f"{s['run']:<16}{s['requests']:>6}{s['failed']:>5}"
+                     f"{str(s['tool_calls_valid']) + '/' + str(s['tool_calls']):>12}"
                      f"{s['prompt_tokens']:>11}{s['cache_hit_rate']:>8.1%}"
                      f"{s['ttft_p50_ms']:>10.0f}/{s['ttft_p90_ms']:<7.0f}{r['appended']:>9}{r['rerendered']:>11}"
                      f"{r['straddle']:>9}"
@@ -384,11 +385,14 @@ def parse_args(argv=None):
 
 
 def agent_checkpoint() -> Path:
-    """The tiny Qwen3.5 checkpoint (random weights, the demo's tokenizer and template) with a 16k context."""
+    """The tiny Qwen3.5 checkpoint (random weights, the demo's tokenizer and template) with a 16k context and
+    `<|im_end|>` as its eos, as in Qwen releases."""
     from qnext.testing.tiny_checkpoint import write_tiny_checkpoint
+    from qnext.testing.tiny_tokenizer import tiny_eos_token_id
 
     path = Path(tempfile.mkdtemp(prefix="qnext-bench-agent-")) / "ckpt"     # fresh: the template may change
-    return write_tiny_checkpoint(path, "qwen3_5", seed=0, max_position_embeddings=16384)
+    return write_tiny_checkpoint(path, "qwen3_5", seed=0, max_position_embeddings=16384,
+                                 eos_token_id=tiny_eos_token_id(512))
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,7 @@ def test_tool_schemas_are_valid_and_bounded():
 def test_recompute_reasons_add_up():
     b = 4
     first = SentRequest(list(range(10)), [100, 101, 102], cached=0, missing_state=0, session=0)
-    # extends the first (prompt + output + 3 new tokens): 12 of 13 seen tokens are block-aligned and cached
+    # keeps the first's prompt, then its output and 3 new tokens: 12 of 13 seen tokens are block-aligned, cached
     second = SentRequest(list(range(10)) + [100, 101, 102, 7, 8, 9], [103], cached=12, missing_state=0, session=0)
     # a new user turn that re-renders history: diverges after 6 tokens; only 4 cached, 0 lost to a state
     third = SentRequest(list(range(6)) + [55, 56, 57], [104], cached=4, missing_state=0, session=0)
@@ -31,6 +31,10 @@ def test_recompute_reasons_add_up():
     assert first.reasons == {"new": 10, "appended": 0, "rerendered": 10, "straddle": 0, "cached": 0,
                              "missing_state": 0, "other": 0}
     assert second.reasons["appended"] == 3 and second.reasons["straddle"] == 1 and second.reasons["cached"] == 12
+    # keeps the first's prompt but renders its output differently: appended from the divergence on
+    fourth = SentRequest(list(range(10)) + [100, 7, 7], [1], cached=8, missing_state=0, session=0)
+    explain_recompute([first, fourth], [[], [0]], b)
+    assert fourth.reasons["appended"] == 2 and fourth.reasons["rerendered"] == 0
     assert third.reasons["rerendered"] == 3 and third.reasons["straddle"] == 2 and third.reasons["other"] == 0
     assert other.reasons["new"] == 7
     assert totals["prompt"] == sum(len(r.prompt_ids) for r in requests)

@@ -9,10 +9,11 @@ assistant header; the later calls of a turn only extend the conversation.
 
 Why a prompt token was not served from the cache, per request (`explain_recompute`):
 - new: after the longest common prefix with any sequence (prompt + output) the server had finished before this
-  request was sent: text the cache has never seen. Split in two: `appended`, when the prompt extends the
-  session's previous prompt + output (the tool result, the next user message, the generation prompt), and
-  `rerendered`, when it does not (a new user turn: the template re-renders the history without the old reasoning,
-  so everything after the first dropped `<think>` is new to the cache);
+  request was sent: text the cache has never seen. Split in two: `appended`, when the prompt keeps the session's
+  previous prompt whole and differs only from its output on (the template's rendering of the assistant turn, the
+  tool result, the next generation prompt), and `rerendered`, when it diverges inside the previous prompt (a new
+  user turn: the template re-renders the history without the old reasoning, so everything after the first
+  dropped `<think>` is new to the cache);
 - straddle: inside the block that straddles that divergence point (KV is cached in whole blocks), plus the last
   prompt token, which is always computed;
 - missing_state: KV matched but recomputed for want of a state snapshot (the server's `recomputed_tokens`);
@@ -81,6 +82,7 @@ class AgentWorkload:
 
     def request_body(self, model: str, messages: list[dict], tools: list[dict], seed: int) -> dict:
         return {"model": model, "messages": messages, "tools": tools, "tool_choice": "required",
+                "parallel_tool_calls": False,
                 "max_tokens": self.max_tokens, "temperature": 1.0, "seed": seed, "stream": True,
                 "stream_options": {"include_usage": True}, "return_token_ids": True,
                 "thinking_token_budget": self.thinking_token_budget,
@@ -125,8 +127,7 @@ def explain_recompute(requests: list[SentRequest], finished_before: list[list[in
         seen = min(seen, n)
         reusable = (min(seen, n - 1) // block_size) * block_size
         previous = next((requests[j] for j in range(i - 1, -1, -1) if requests[j].session == r.session), None)
-        extends = previous is not None and r.prompt_ids[:len(previous.prompt_ids) + len(previous.output_ids)] \
-            == previous.prompt_ids + previous.output_ids
+        extends = previous is not None and r.prompt_ids[:len(previous.prompt_ids)] == previous.prompt_ids
         r.reasons = {"new": n - seen, "appended": (n - seen) if extends else 0,
                      "rerendered": 0 if extends else n - seen, "straddle": seen - reusable, "cached": r.cached,
                      "missing_state": r.missing_state,
