@@ -41,3 +41,27 @@ def test_a_compiled_program_is_read_back_from_disk(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert int(out.stdout.strip().splitlines()[-1]) >= 1
     assert any((tmp_path / "jax").iterdir())
+
+
+class _FakeEngine:
+    def __init__(self, model_config, config, num_step_shapes=3):
+        self.model_config, self.config, self.num_step_shapes, self.warm_ups = model_config, config, num_step_shapes, 0
+
+    def warm_up(self, on_bucket=None):
+        self.warm_ups += 1
+        for _ in range(self.num_step_shapes):
+            on_bucket()
+
+
+def test_a_start_whose_shapes_are_cached_skips_the_warm_up(tmp_path):
+    from qnext.server.startup import warm_up_unless_cached
+
+    first = _FakeEngine("model A", "options 1")
+    assert warm_up_unless_cached(first, str(tmp_path), log=lambda m: None) and first.warm_ups == 1
+    again = _FakeEngine("model A", "options 1")                # the second start: same shapes and options
+    assert not warm_up_unless_cached(again, str(tmp_path), log=lambda m: None) and again.warm_ups == 0
+    for other in (_FakeEngine("model B", "options 1"), _FakeEngine("model A", "options 2"),
+                  _FakeEngine("model A", "options 1", num_step_shapes=4)):
+        assert warm_up_unless_cached(other, str(tmp_path), log=lambda m: None) and other.warm_ups == 1
+    no_cache = _FakeEngine("model A", "options 1")             # the cache off (or the check off): always warms up
+    assert warm_up_unless_cached(no_cache, None, log=lambda m: None) and no_cache.warm_ups == 1

@@ -60,6 +60,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--no-warm-up", action="store_true", help="compile step shapes on first use instead of at start")
+    p.add_argument("--no-warm-up-cache-check", action="store_true",
+                   help="warm up at every start, even when the compilation cache holds every step shape from an "
+                        "earlier start (by default such a start skips the warm-up and loads each shape on first use)")
     p.add_argument("--tool-call-parser", choices=["qwen3_coder", "hermes", "none"],
                    help="the format the model writes tool calls in (default: read from the chat template: "
                         "qwen3_coder for Qwen3.5's XML calls, hermes for Qwen3-Next's JSON calls)")
@@ -95,7 +98,7 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
     import qnext
     from qnext.engine.llm_engine import freeze_startup_heap
     from qnext.server.app import build_app
-    from qnext.server.startup import enable_compilation_cache, warm_up_with_progress
+    from qnext.server.startup import enable_compilation_cache, warm_up_unless_cached
     from qnext.testing.tiny_checkpoint import demo_checkpoint_dir
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -110,7 +113,7 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
     try:
         llm = qnext.LLM(model, progress=logger.info, **engine_options)
         if not args.no_warm_up:
-            warm_up_with_progress(llm.engine)
+            warm_up_unless_cached(llm.engine, None if args.no_warm_up_cache_check else cache_dir)
     except ValueError as e:                     # a bad option or checkpoint: say which, without a traceback
         logger.error("cannot serve %s: %s", model, e)
         return 2
