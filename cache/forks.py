@@ -78,7 +78,8 @@ class ForkSupport:
             copies.dst_blocks.append(block)
             table.append(block)
         self._seqs[child_id] = SequenceRecord(prompt_len=n, hashes=list(parent.hashes[:full]), block_table=table,
-                                              state_row=row, num_cached_tokens=0, chain=chain, ran=True)
+                                              state_row=row, num_cached_tokens=0, chain=chain, ran=True,
+                                              cacheable=parent.cacheable)
         self._track_peaks()
 
     def take_fork_copies(self) -> ForkCopies:

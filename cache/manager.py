@@ -276,7 +276,12 @@ class CacheManager(SnapshotLifecycle, ForkSupport):
         return self.blocks.evict_until_free(min_free)
 
     def clear_prefix_cache(self) -> list[int]:
-        """Drops every cached block and snapshot in every tier (published blocks of running sequences stay theirs)."""
+        """Drops every cached block and snapshot in every tier (published blocks of running sequences stay theirs).
+        Contract: a sequence admitted across a clear publishes nothing more (nor registers snapshots), and neither do
+        its forks. Its KV predates the clear (a clear is for stale KV), and re-publishing its block table is unsound:
+        past a twin, its own blocks hang under the twin's original, which others that share them hold, not its
+        private twin; re-published under the twin, they would outlive their parent's references (num_available
+        would count a block that eviction cannot reach)."""
         self._offload_evictions = False
         try:
             evicted = self.blocks.clear_prefix_cache()
@@ -286,6 +291,7 @@ class CacheManager(SnapshotLifecycle, ForkSupport):
         for seq in self._seqs.values():
             self.blocks.release(self._twin_originals(seq))
             seq.chain = []
+            seq.cacheable = False
         return evicted
 
     def take_transfers(self) -> TransferPlan:
@@ -312,7 +318,7 @@ class CacheManager(SnapshotLifecycle, ForkSupport):
         prefix another block already caches stays private (a 'twin'); the sequence then holds that original until
         free, so its own later blocks always hang under a referenced chain. A hash that collides with another
         prefix's block stops publishing there."""
-        if not self.config.enable_prefix_caching:
+        if not self.config.enable_prefix_caching or not seq.cacheable:    # (see clear_prefix_cache)
             return
         bs = self.config.block_size
         full = num_tokens // bs

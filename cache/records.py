@@ -32,6 +32,7 @@ class SequenceRecord:
     kv_matched_tokens: int = 0
     host_tokens: int = 0                     # of num_cached_tokens, those whose KV is loaded from the host tier
     ran: bool = False                        # a step committed for it (else free() takes back its admission counts)
+    cacheable: bool = True                   # False once a clear ran while it was admitted: it publishes nothing more
     prompt_snapshots: list[bytes] = field(default_factory=list)  # prompt-end and checkpoint snapshots it registered
     fork_rows: list[int] = field(default_factory=list)     # live rows reserved for forks not yet made (cache/forks.py)
     fork_blocks: list[int] = field(default_factory=list)   # blocks reserved for their copies of the partial last block
