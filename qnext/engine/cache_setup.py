@@ -31,7 +31,7 @@ from cache.sizing import GIB, CacheSizes, plan_cache
 from qnext.config import ModelConfig
 from qnext.engine.config import EngineConfig
 from qnext.model.cache_buffers import cache_layout
-from qnext.model.tensor_parallel import sharded_buffers
+from qnext.model.tensor_parallel import sharded_buffers, sharded_model_config
 from qnext.model.weights import as_dtype
 
 logger = logging.getLogger("qnext.engine")
@@ -45,9 +45,11 @@ def device_memory_stats() -> dict | None:
 
 
 def cache_sizes(cfg: ModelConfig, c: EngineConfig, max_model_len: int, activation_bytes=lambda: 0) -> CacheSizes:
-    """The split of the cache budget. `activation_bytes()` is asked only on the GPU path (it compiles)."""
-    layout = cache_layout(cfg, as_dtype(c.dtype))
+    """The split of the cache budget. `activation_bytes()` is asked only on the GPU path (it compiles). Bytes are
+    per device: under tensor parallelism each holds 1/tp of the heads (KV heads replicated where tp exceeds them)."""
     tp = c.tensor_parallel_size
+    cfg = sharded_model_config(cfg, tp)
+    layout = cache_layout(cfg, as_dtype(c.dtype))
     hybrid = bool(cfg.linear_layer_ids)
     kv_per_block = layout.kv_bytes_per_block(c.block_size) // tp     # per device: buffers are split by head
     row_bytes = layout.state_bytes_per_row // tp if hybrid else 0
@@ -96,7 +98,7 @@ def host_tier_sizes(cfg: ModelConfig, c: EngineConfig, sizes: CacheSizes) -> tup
     """(host-tier KV blocks, host-tier snapshot slots). The host keeps whole (unsharded) blocks and rows."""
     if not c.enable_prefix_caching:
         return 0, 0
-    layout = cache_layout(cfg, as_dtype(c.dtype))
+    layout = cache_layout(sharded_model_config(cfg, c.tensor_parallel_size), as_dtype(c.dtype))
     block_bytes = layout.kv_bytes_per_block(c.block_size)
     row_bytes = layout.state_bytes_per_row if cfg.linear_layer_ids else 0
     budget = int(c.kv_offloading_size * GIB)
@@ -114,6 +116,7 @@ def make_cache(cfg: ModelConfig, c: EngineConfig, sizes: CacheSizes, mesh=None,
     host tier's arrays (None without a host tier). With `prefix_cache_dir` (and its `fingerprint`) a cache file
     written for the same fingerprint is loaded into the host tier."""
     host_blocks, host_snapshots = host_tier_sizes(cfg, c, sizes)
+    cfg = sharded_model_config(cfg, c.tensor_parallel_size)      # the buffers hold the replicated heads too
     cache = CacheManager(CacheConfig(block_size=c.block_size, num_blocks=sizes.num_blocks + 1,
                                      num_live_slots=sizes.num_live_rows, num_snapshot_slots=sizes.num_snapshot_rows,
                                      enable_prefix_caching=c.enable_prefix_caching,
@@ -146,6 +149,7 @@ def make_cache(cfg: ModelConfig, c: EngineConfig, sizes: CacheSizes, mesh=None,
 def prefix_cache_fingerprint(cfg: ModelConfig, c: EngineConfig, weights_digest: str) -> dict:
     """What a persisted cache is bound to (cache/fingerprint.py): the model config (its kernels' backend aside), the
     weights' digest, the dtype, the block size and the cache layout's version."""
+    cfg = sharded_model_config(cfg, c.tensor_parallel_size)      # its buffers' layout (replicated heads)
     config = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "backend"}
     return cache_fingerprint(config, weights_digest, c.dtype, c.block_size)
 

@@ -18,6 +18,12 @@ Fused projections declare their segments along that axis (qkv_proj: q | gate | k
 segment's r-th part for device r, so the weights are re-ordered once at load: device-major, then segment, then the
 segment's own order. A bias added after a row-parallel projection (o_bias) is divided by tp (exact for powers of
 two), as every device adds it before the all-reduce.
+
+Head counts that do not divide (vLLM's and SGLang's rule): when tp is a multiple of the KV heads (the flagship's 2
+KV heads at TP8), each KV head is replicated over the tp / Hkv devices whose query heads use it; likewise DeltaNet
+key heads over the devices whose value heads use them. `sharded_model_config` is the model as the devices split it
+(those heads repeated, exact: a query head still reads the same keys and values), the params are expanded to it at
+load, and the cache buffers are made for it, so each device holds whole heads and the math is unchanged.
 """
 from __future__ import annotations
 
@@ -44,11 +50,38 @@ def _split_axis(spec: ParamSpec) -> int | None:
     return split[0] if split else None
 
 
-def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
-    """The config one device's shard of the model sees: 1/tp of the heads, intermediate units and lm_head rows
-    (its vocab_size is the device's part of the logits, gathered whole at the end of the step)."""
+def _replicas(what: str, heads: int, tp: int) -> int:
+    """How many devices hold each of `heads` heads: 1 when tp divides them, tp / heads when heads divide tp."""
+    if heads % tp == 0:
+        return 1
+    if tp % heads == 0:
+        return tp // heads
+    raise ValueError(f"tensor_parallel_size={tp} must divide the model's {what} ({heads}) or be a multiple of it "
+                     "(then each head is replicated over the devices that share it)")
+
+
+def sharded_model_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The model as `tp` devices split it: the global config with KV heads (and DeltaNet key heads) repeated so
+    that tp divides them (module docstring). Equal to cfg when every head count divides. Raises ValueError, saying
+    which count, when the heads cannot be split or shared."""
     if tp == 1:
         return cfg
+    for name in ("num_attention_heads", "linear_num_value_heads"):
+        if getattr(cfg, name) % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide the model's {name} ({getattr(cfg, name)})")
+    kv = _replicas("num_key_value_heads", cfg.num_key_value_heads, tp)
+    k = _replicas("linear_num_key_heads", cfg.linear_num_key_heads, tp) if cfg.linear_layer_ids else 1
+    return dataclasses.replace(cfg, num_key_value_heads=cfg.num_key_value_heads * kv,
+                               linear_num_key_heads=cfg.linear_num_key_heads * k)
+
+
+def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The config one device's shard of the model sees: 1/tp of the heads (of sharded_model_config), intermediate
+    units and lm_head rows (its vocab_size is the device's part of the logits, gathered whole at the end of the
+    step)."""
+    if tp == 1:
+        return cfg
+    cfg = sharded_model_config(cfg, tp)
     sizes = {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
              "linear_num_key_heads": cfg.linear_num_key_heads, "linear_num_value_heads": cfg.linear_num_value_heads,
              "vocab_size": cfg.vocab_size}
@@ -109,10 +142,55 @@ def _device_major(x, axis: int, segments: list[int], tp: int):
     return np.concatenate([per_device[j][r] for r in range(tp) for j in range(len(parts))], axis=axis)
 
 
+def _repeat_heads(x, axis: int, segments: list[int], repeats: list[int]):
+    """Fused segments along `axis`, each segment j's heads (rows of its size / heads) repeated repeats[j] times in
+    place (head h -> copies h, h, ...), given as repeats[j] = (heads, times)."""
+    parts = np.split(x, np.cumsum(segments)[:-1], axis=axis)
+    out = []
+    for part, (heads, times) in zip(parts, repeats):
+        if times > 1:
+            shape = part.shape
+            part = part.reshape(shape[:axis] + (heads, shape[axis] // heads) + shape[axis + 1:])
+            part = np.repeat(part, times, axis=axis)
+            part = part.reshape(shape[:axis] + (shape[axis] * times,) + shape[axis + 1:])
+        out.append(part)
+    return np.concatenate(out, axis=axis)
+
+
+def replicate_heads(params, cfg: ModelConfig, tp: int):
+    """Host params of cfg -> host params of sharded_model_config(cfg, tp): the K and V rows of qkv_proj / qkv_bias
+    and the q and k rows of a DeltaNet's in_proj / conv_weight repeated per head (the same arrays when nothing is
+    replicated)."""
+    sharded = sharded_model_config(cfg, tp)
+    kv = sharded.num_key_value_heads // cfg.num_key_value_heads
+    k = sharded.linear_num_key_heads // cfg.linear_num_key_heads
+    if kv == 1 and k == 1:
+        return params
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    hk, hv, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    attn_segments = ([hq * d, hq * d, hkv * d, hkv * d], [(hq, 1), (hq, 1), (hkv, kv), (hkv, kv)])
+    conv_segments = ([cfg.key_dim, cfg.key_dim, hv * dv], [(hk, k), (hk, k), (hv, 1)])
+    in_segments = (conv_segments[0] + [hv * dv, hv, hv], conv_segments[1] + [(hv, 1)] * 3)
+    layers = []
+    for i, layer in enumerate(params["layers"]):
+        attn = dict(layer["attn"])
+        if cfg.is_linear_layer(i):
+            attn["in_proj"] = _repeat_heads(attn["in_proj"], 0, *in_segments)
+            attn["conv_weight"] = _repeat_heads(attn["conv_weight"], 0, *conv_segments)
+        else:
+            for name in ("qkv_proj", "qkv_bias"):
+                if name in attn:
+                    attn[name] = _repeat_heads(attn[name], 0, *attn_segments)
+        layers.append({**layer, "attn": attn})
+    return {**params, "layers": tuple(layers)}
+
+
 def shard_params(params, cfg: ModelConfig, mesh: Mesh):
-    """Host (numpy) params of the global cfg -> device arrays, each device holding its shard: fused params
-    re-ordered device-major, biases added after an all-reduce divided by tp, every param placed with its sharding."""
+    """Host (numpy) params of the global cfg -> device arrays, each device holding its shard: heads replicated
+    where tp does not divide them (replicate_heads), fused params re-ordered device-major, biases added after an
+    all-reduce divided by tp, every param placed with its sharding."""
     tp = mesh.shape[AXIS]
+    params, cfg = replicate_heads(params, cfg, tp), sharded_model_config(cfg, tp)
 
     def place(path, spec: ParamSpec):
         leaf, axis = params, _split_axis(spec)
@@ -141,7 +219,7 @@ def shard_step(fn, cfg: ModelConfig, tp: int, num_replicated: int):
     if tp == 1:
         return fn
     mesh = make_mesh(tp)
-    pspecs = partition_specs(cfg)
+    pspecs = partition_specs(sharded_model_config(cfg, tp))
 
     def sharded(params, buffers, *rest):
         bspec = buffer_specs(buffers)
