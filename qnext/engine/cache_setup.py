@@ -51,8 +51,9 @@ def cache_sizes(cfg: ModelConfig, c: EngineConfig, max_model_len: int, activatio
     cfg = sharded_model_config(cfg, tp)
     layout = cache_layout(cfg, as_dtype(c.dtype))
     hybrid = bool(cfg.linear_layer_ids)
-    kv_per_block = layout.kv_bytes_per_block(c.block_size) // tp     # per device: buffers are split by head
-    row_bytes = layout.state_bytes_per_row // tp if hybrid else 0
+    split = tp if cfg.attention_tensor_parallel else 1                # buffers split by head, or whole
+    kv_per_block = layout.kv_bytes_per_block(c.block_size) // split     # per device
+    row_bytes = layout.state_bytes_per_row // split if hybrid else 0
     blocks_per_seq = -(-max_model_len // c.block_size)
     requested = c.max_num_snapshots
     if requested is None:
@@ -128,7 +129,7 @@ def make_cache(cfg: ModelConfig, c: EngineConfig, sizes: CacheSizes, mesh=None,
                                  num_state_rows=num_state_rows(sizes.num_live_rows, sizes.num_snapshot_rows))
     # committed to the device, as the params and every step's outputs are (uncommitted, the first shape that runs
     # compiles again on its second call)
-    cache.attach_buffers(sharded_buffers(allocate, mesh) if mesh is not None
+    cache.attach_buffers(sharded_buffers(allocate, mesh, cfg) if mesh is not None
                          else jax.device_put(allocate(), jax.devices()[0]))
     capped = sizes.max_num_snapshots is not None and sizes.num_snapshot_rows < sizes.max_num_snapshots
     (logger.warning if capped else logger.info)(sizes.describe())

@@ -24,10 +24,19 @@ KV heads at TP8), each KV head is replicated over the tp / Hkv devices whose que
 key heads over the devices whose value heads use them. `sharded_model_config` is the model as the devices split it
 (those heads repeated, exact: a query head still reads the same keys and values), the params are expanded to it at
 load, and the cache buffers are made for it, so each device holds whole heads and the math is unchanged.
+
+Expert parallelism (`expert_parallel`, vLLM's enable_expert_parallel): the same devices split each MoE layer's
+experts instead of their units; device r holds experts [r E/tp, (r+1) E/tp) whole. Tokens are already replicated
+on every device (attention is tensor parallel, or whole on every device), so dispatch is local: every device routes
+all tokens (the router is replicated, top-k and normalisation as without EP) and runs the copies that chose its
+experts; the combine is the MLP's all-reduce that tensor parallelism already does (the shared expert's partial sums
+ride in it). `attention_tensor_parallel=False` keeps the mixers (attention, DeltaNet) and their cache whole on every
+device, so that only the MLPs / experts and lm_head are split (no all-reduce after a mixer).
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -38,16 +47,41 @@ from cache.device_buffers import CacheBuffers
 from qnext.config import ModelConfig
 from qnext.model.weights import ParamSpec, map_specs, param_specs
 
+logger = logging.getLogger("qnext.engine")
+
 AXIS = "tp"
 
-SPLIT_AXES = ("heads", "mlp", "vocab")   # the logical axes (ParamSpec.axes) that devices split
+SPLIT_AXES = ("heads", "mlp", "vocab")   # the logical axes (ParamSpec.axes) that tensor parallelism splits
 
 
-def _split_axis(spec: ParamSpec) -> int | None:
-    """The axis of the param that tensor parallelism splits (at most one per param), or None: replicated."""
-    split = [i for i, name in enumerate(spec.axes) if name in SPLIT_AXES]
+def _split_axis(spec: ParamSpec, cfg: ModelConfig) -> int | None:
+    """The axis of the param that the devices split (at most one per param), or None: replicated. An expert stack
+    splits its "expert" axis under expert parallelism; mixer params ("heads") stay whole without attention TP."""
+    if cfg.expert_parallel and "expert" in spec.axes:
+        return spec.axes.index("expert")
+    names = SPLIT_AXES if cfg.attention_tensor_parallel else ("mlp", "vocab")
+    split = [i for i, name in enumerate(spec.axes) if name in names]
     assert len(split) <= 1, f"a param splits at most one axis: {spec}"
     return split[0] if split else None
+
+
+def parallel_config(cfg: ModelConfig, tp: int, expert_parallel: bool = False,
+                    attention_tensor_parallel: bool = True) -> ModelConfig:
+    """The global config with the engine's parallel layout (expert_parallel, attention_tensor_parallel), checked
+    against the model at start: ValueError saying what cannot be split."""
+    if (expert_parallel or not attention_tensor_parallel) and tp == 1:
+        what = "enable_expert_parallel" if expert_parallel else "attention_tensor_parallel=False"
+        raise ValueError(f"{what} needs tensor_parallel_size > 1 (the devices the experts or MLPs are split over)")
+    if expert_parallel:
+        if not cfg.num_experts:
+            raise ValueError("enable_expert_parallel needs a MoE model; this one has no experts (num_experts=0)")
+        if cfg.num_experts % tp:
+            raise ValueError(f"enable_expert_parallel over tensor_parallel_size={tp} devices must divide the "
+                             f"model's num_experts ({cfg.num_experts}): each device holds num_experts / {tp}")
+    cfg = dataclasses.replace(cfg, expert_parallel=expert_parallel,
+                              attention_tensor_parallel=attention_tensor_parallel)
+    local_config(cfg, tp)             # every split divides: checked before anything is read
+    return cfg
 
 
 def _replicas(what: str, heads: int, tp: int) -> int:
@@ -64,7 +98,7 @@ def sharded_model_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     """The model as `tp` devices split it: the global config with KV heads (and DeltaNet key heads) repeated so
     that tp divides them (module docstring). Equal to cfg when every head count divides. Raises ValueError, saying
     which count, when the heads cannot be split or shared."""
-    if tp == 1:
+    if tp == 1 or not cfg.attention_tensor_parallel:
         return cfg
     for name in ("num_attention_heads", "linear_num_value_heads"):
         if getattr(cfg, name) % tp:
@@ -82,13 +116,15 @@ def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     if tp == 1:
         return cfg
     cfg = sharded_model_config(cfg, tp)
-    sizes = {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-             "linear_num_key_heads": cfg.linear_num_key_heads, "linear_num_value_heads": cfg.linear_num_value_heads,
-             "vocab_size": cfg.vocab_size}
+    sizes = {"vocab_size": cfg.vocab_size}
+    if cfg.attention_tensor_parallel:
+        sizes.update(num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+                     linear_num_key_heads=cfg.linear_num_key_heads, linear_num_value_heads=cfg.linear_num_value_heads)
     if any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):      # a layer with the dense MLP
         sizes["intermediate_size"] = cfg.intermediate_size
     if cfg.num_experts:
-        sizes["moe_intermediate_size"] = cfg.moe_intermediate_size
+        sizes["num_experts" if cfg.expert_parallel else "moe_intermediate_size"] = (
+            cfg.num_experts if cfg.expert_parallel else cfg.moe_intermediate_size)
         sizes["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
     for name, value in sizes.items():
         if value % tp:
@@ -104,6 +140,12 @@ def make_mesh(tp: int) -> Mesh:
         raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices, JAX sees {len(devices)} "
                          f"({devices[0].platform}){hint}")
     return Mesh(np.array(devices[:tp]), (AXIS,))
+
+
+def mixer_all_reduce(out, cfg: ModelConfig):
+    """A mixer's output: the devices' partial sums added up under attention TP; whole already when the mixers run
+    whole on every device (attention_tensor_parallel=False)."""
+    return all_reduce(out, cfg) if cfg.attention_tensor_parallel else out
 
 
 def all_reduce(partial, cfg: ModelConfig):
@@ -126,11 +168,14 @@ def _spec(axis: int | None) -> P:
 
 def partition_specs(cfg: ModelConfig) -> dict:
     """PartitionSpecs of the params tree, from the params' logical axes (weights.py)."""
-    return map_specs(lambda _, spec: _spec(_split_axis(spec)), param_specs(cfg))
+    return map_specs(lambda _, spec: _spec(_split_axis(spec, cfg)), param_specs(cfg))
 
 
-def buffer_specs(buffers: CacheBuffers) -> CacheBuffers:
-    """KV pages [Hkv, ...] by kv head, conv state [R, K-1, conv_dim] by channel, recurrent [R, Hv, dk, dv] by head."""
+def buffer_specs(buffers: CacheBuffers, cfg: ModelConfig) -> CacheBuffers:
+    """KV pages [Hkv, ...] by kv head, conv state [R, K-1, conv_dim] by channel, recurrent [R, Hv, dk, dv] by head;
+    whole on every device without attention TP."""
+    if not cfg.attention_tensor_parallel:
+        return jax.tree.map(lambda _: P(), buffers)
     return CacheBuffers(kv=tuple((_spec(0), _spec(0)) for _ in buffers.kv), conv=tuple(_spec(2) for _ in buffers.conv),
                         recurrent=tuple(_spec(1) for _ in buffers.recurrent))
 
@@ -193,22 +238,43 @@ def shard_params(params, cfg: ModelConfig, mesh: Mesh):
     params, cfg = replicate_heads(params, cfg, tp), sharded_model_config(cfg, tp)
 
     def place(path, spec: ParamSpec):
-        leaf, axis = params, _split_axis(spec)
+        leaf, axis = params, _split_axis(spec, cfg)
         for key in path:
             leaf = leaf[key]
-        if spec.segments is not None:
+        if spec.segments is not None and axis is not None and spec.axes[axis] in SPLIT_AXES:   # segments' axis
             leaf = _device_major(leaf, axis, list(spec.segments), tp)
-        if spec.after_reduce:          # every device adds it before the all-reduce (exact for powers of two)
-            leaf = leaf / tp
+        if spec.after_reduce and cfg.attention_tensor_parallel:   # every device adds it before the all-reduce
+            leaf = leaf / tp                                      # (exact for powers of two)
         return jax.device_put(leaf, NamedSharding(mesh, _spec(axis)))
 
-    return map_specs(place, param_specs(cfg))
+    placed = map_specs(place, param_specs(cfg))
+    log_device_bytes(placed)
+    return placed
 
 
-def sharded_buffers(allocate, mesh: Mesh) -> CacheBuffers:
+def device_bytes(params, expert_only: bool = False) -> dict:
+    """Bytes of the params each device holds (its shards, summed), by device; expert stacks only with
+    expert_only."""
+    held: dict = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if expert_only and "experts_" not in jax.tree_util.keystr(path):
+            continue
+        for shard in leaf.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return held
+
+
+def log_device_bytes(params) -> None:
+    weights, experts = device_bytes(params), device_bytes(params, expert_only=True)
+    most = max(weights, key=weights.get)
+    logger.info("weights: %.1f MiB on each of %d devices at most (%.1f MiB of it experts)", weights[most] / 2 ** 20,
+                len(weights), experts.get(most, 0) / 2 ** 20)
+
+
+def sharded_buffers(allocate, mesh: Mesh, cfg: ModelConfig) -> CacheBuffers:
     """The buffers `allocate()` would make, zeros made directly in their shards (no device holds them whole)."""
     shapes = jax.eval_shape(allocate)
-    specs = buffer_specs(shapes)
+    specs = buffer_specs(shapes, cfg)
     return jax.tree.map(lambda a, s: jnp.zeros(a.shape, a.dtype, device=NamedSharding(mesh, s)), shapes, specs)
 
 
@@ -222,7 +288,7 @@ def shard_step(fn, cfg: ModelConfig, tp: int, num_replicated: int):
     pspecs = partition_specs(sharded_model_config(cfg, tp))
 
     def sharded(params, buffers, *rest):
-        bspec = buffer_specs(buffers)
+        bspec = buffer_specs(buffers, cfg)
         # check_vma off: the kernels' loops carry values that are per-device (the state) next to replicated ones
         return jax.shard_map(fn, mesh=mesh, in_specs=(pspecs, bspec) + (P(),) * len(rest),
                              out_specs=(P(),) * num_replicated + (bspec,), check_vma=False)(params, buffers, *rest)
