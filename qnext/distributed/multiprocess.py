@@ -121,3 +121,14 @@ class LockstepEngine:
         while self.step() is not None:
             steps += 1
         return steps
+
+
+def add_distributed_flags(parser) -> None:
+    """SGLang's flags for a run over several processes (an argparse parser)."""
+    parser.add_argument("--nnodes", type=int, default=1, help="processes (nodes) that run the engine together")
+    parser.add_argument("--node-rank", type=int, default=0, help="this process's rank (0: takes the requests)")
+    parser.add_argument("--dist-init-addr", help="host:port of rank 0's coordinator (with --nnodes > 1)")
+
+
+def distributed_config(args) -> DistributedConfig:
+    return DistributedConfig(nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr)
