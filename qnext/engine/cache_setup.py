@@ -33,6 +33,7 @@ from qnext.engine.config import EngineConfig
 from qnext.model.cache_buffers import cache_layout
 from qnext.model.tensor_parallel import sharded_buffers, sharded_model_config
 from qnext.model.weights import as_dtype
+from qnext.model.host_devices import engine_devices
 
 logger = logging.getLogger("qnext.engine")
 
@@ -41,7 +42,7 @@ SNAPSHOTS_PER_SEQ = 4      # default snapshot rows per running sequence where no
 
 def device_memory_stats() -> dict | None:
     """The first device's memory_stats() (GPUs report bytes_limit and bytes_in_use; CPUs report None)."""
-    return jax.local_devices()[0].memory_stats()
+    return engine_devices()[0].memory_stats()
 
 
 def cache_sizes(cfg: ModelConfig, c: EngineConfig, max_model_len: int, activation_bytes=lambda: 0) -> CacheSizes:
@@ -130,7 +131,7 @@ def make_cache(cfg: ModelConfig, c: EngineConfig, sizes: CacheSizes, mesh=None,
     # committed to the device, as the params and every step's outputs are (uncommitted, the first shape that runs
     # compiles again on its second call)
     cache.attach_buffers(sharded_buffers(allocate, mesh, cfg) if mesh is not None
-                         else jax.device_put(allocate(), jax.devices()[0]))
+                         else jax.device_put(allocate(), engine_devices()[0]))
     capped = sizes.max_num_snapshots is not None and sizes.num_snapshot_rows < sizes.max_num_snapshots
     (logger.warning if capped else logger.info)(sizes.describe())
     host = None

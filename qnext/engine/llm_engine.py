@@ -34,6 +34,7 @@ from qnext.model.weights import as_dtype
 from qnext.outputs import RequestOutput
 from qnext.sampling_params import SamplingParams
 from qnext.tokenizer import IncrementalDetokenizer, Tokenizer
+from qnext.model.host_devices import engine_devices
 
 logger = logging.getLogger("qnext.engine")
 
@@ -305,7 +306,7 @@ def place_params(params, cfg: ModelConfig, config: EngineConfig):
     if config.tensor_parallel_size > 1:
         host = map_specs(lambda path, spec: np.asarray(jax.device_get(value(path, spec))).astype(spec.dtype), specs)
         return shard_params(host, cfg, make_mesh(config.tensor_parallel_size))
-    device = jax.devices()[0]
+    device = engine_devices()[0]
     return map_specs(lambda path, spec: jax.device_put(jnp.array(value(path, spec), dtype=spec.dtype), device), specs)
 
 

@@ -23,11 +23,14 @@ def build_async_engine(engine, *, max_waiting_requests: int, model_name: str) ->
     return async_engine, metrics
 
 
-def build_app(engine, *, model_name: str, max_waiting_requests: int = 256) -> FastAPI:
+def build_app(engine, *, model_name: str, max_waiting_requests: int = 256, async_engine=None,
+              metrics=None) -> FastAPI:
     """An app serving `engine` (an LLMEngine, or anything with its methods). Starting the app starts the engine
-    thread; stopping it aborts what is left and joins the thread."""
-    async_engine, metrics = build_async_engine(engine, max_waiting_requests=max_waiting_requests,
-                                               model_name=model_name)
+    thread; stopping it aborts what is left and joins the thread. `async_engine` and `metrics` replace the one
+    engine loop (data parallelism: qnext/server/data_parallel.py)."""
+    if async_engine is None:
+        async_engine, metrics = build_async_engine(engine, max_waiting_requests=max_waiting_requests,
+                                                   model_name=model_name)
     serving = OpenAIServing(async_engine, model_name)
     created = int(time.time())
 

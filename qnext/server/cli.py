@@ -58,12 +58,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--no-warm-up", action="store_true", help="compile step shapes on first use instead of at start")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas, each on its own tensor_parallel_size devices (qnext/server/data_parallel.py)")
+    p.add_argument("--data-parallel-routing", default="cache_aware", choices=["cache_aware", "round_robin"],
+                   help="with --data-parallel-size > 1: to the replica holding the longest cached prefix, or in turn")
 
 
 def serve(args: argparse.Namespace, engine_options: dict) -> int:
     from qnext.model.host_devices import request_host_devices
 
-    request_host_devices(engine_options.get("tensor_parallel_size") or 1)     # before JAX starts
+    if args.data_parallel_size < 1:
+        logger.error("--data-parallel-size must be a positive integer, got %d", args.data_parallel_size)
+        return 2
+    request_host_devices((engine_options.get("tensor_parallel_size") or 1) * args.data_parallel_size)   # before JAX
     import uvicorn
 
     import qnext
@@ -79,12 +86,17 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
     name = name or str(args.model)
     logger.info("loading %s with %s", model, engine_options or "the engine's default options")
     try:
-        llm = qnext.LLM(model, warm_up=not args.no_warm_up, progress=logger.info, **engine_options)
+        if args.data_parallel_size > 1:
+            from qnext.server.data_parallel import build_replicas
+
+            app = build_replicas(model, engine_options, args, name)
+        else:
+            llm = qnext.LLM(model, warm_up=not args.no_warm_up, progress=logger.info, **engine_options)
+            app = build_app(llm.engine, model_name=name, max_waiting_requests=args.max_waiting_requests)
     except ValueError as e:                     # a bad option or checkpoint: say which, without a traceback
         logger.error("cannot serve %s: %s", model, e)
         return 2
     freeze_startup_heap()              # a long-running front end: the cyclic GC skips the start-up heap
-    app = build_app(llm.engine, model_name=name, max_waiting_requests=args.max_waiting_requests)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
     # uvicorn drains on SIGTERM / SIGINT, then re-raises the signal to the handler it found: make that one a no-op
