@@ -71,6 +71,21 @@ class PrefixRouter:
                 held.popitem(last=False)
 
 
+class _ReplicaLoop(AsyncEngine):
+    """A replica's engine thread, run under the `jax.default_device` its engine was loaded and warmed up under:
+    the device is part of jit's cache key, so stepping outside it would compile every step shape again."""
+
+    def __init__(self, engine, device, **kwargs):
+        super().__init__(engine, **kwargs)
+        self._device = device
+
+    def _run(self) -> None:
+        import jax
+
+        with jax.default_device(self._device):
+            super()._run()
+
+
 class _ReplicaObserver:
     """The replica's metrics observer, plus: a finished request's prompt + reply recorded in the router."""
 
@@ -89,7 +104,9 @@ class _ReplicaObserver:
 class DataParallelEngine:
     """AsyncEngine's interface (add, abort, snapshot, start, stop, is_running, engine) over N replicas."""
 
-    def __init__(self, engines: list, *, max_waiting_requests: int, model_name: str, routing: str = "cache_aware"):
+    def __init__(self, engines: list, *, max_waiting_requests: int, model_name: str, routing: str = "cache_aware",
+                 devices: list | None = None):
+        """devices: each replica's jax.default_device (its first device), None: the default."""
         if not engines:
             raise ValueError("data parallelism needs at least one engine replica")
         first = engines[0]
@@ -102,7 +119,7 @@ class DataParallelEngine:
         for i, engine in enumerate(engines):
             holder: list[AsyncEngine] = []
             metrics = ServerMetrics(lambda h=holder: h[0].snapshot(), model_name, labels={"engine": str(i)})
-            replica = AsyncEngine(engine, max_waiting_requests=max_waiting_requests,
+            replica = _ReplicaLoop(engine, devices[i] if devices else None, max_waiting_requests=max_waiting_requests,
                                   observer=_ReplicaObserver(metrics, self.router, i, self._owner),
                                   usage_of=cache_usage)
             holder.append(replica)
@@ -210,5 +227,6 @@ def build_replicas(model, engine_options: dict, args, model_name: str):
             engines.append(qnext.LLM(model, warm_up=not args.no_warm_up, progress=logger.info,
                                      **engine_options).engine)
     dp = DataParallelEngine(engines, max_waiting_requests=args.max_waiting_requests, model_name=model_name,
-                            routing=args.data_parallel_routing)
+                            routing=args.data_parallel_routing,
+                            devices=[devices[i * tp] for i in range(args.data_parallel_size)])
     return build_app(engines[0], model_name=model_name, async_engine=dp, metrics=dp.server_metrics)
