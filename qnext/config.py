@@ -69,6 +69,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
     tensor_parallel_size: int = 1  # > 1 only in the per-device config of a sharded model (tensor_parallel.py)
+    expert_parallel: bool = False  # tensor-parallel devices split the experts, not their units (EP)
+    attention_tensor_parallel: bool = True  # False: the mixers and their cache run whole on every device
     backend: str | None = None     # "cpu" | "gpu": the kernels (Pallas on GPU, jnp references elsewhere) and layouts
                                    # the layers use; resolved once (with_backend), static under jit
     gpu_kernels: str | None = None  # "mosaic" | "triton": the Pallas GPU backend, chosen at engine start

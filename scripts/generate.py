@@ -3,6 +3,9 @@
     python scripts/generate.py                         # demo: a two-turn chat on the built-in tiny checkpoint
     python scripts/generate.py --model DIR --prompt "Hello"
     python scripts/generate.py --model DIR --chat      # interactive multi-turn chat (empty line or Ctrl-D ends)
+    # two processes, one engine over both processes' devices (run once per rank; rank 0 prints):
+    python scripts/generate.py --model DIR --prompt "Hi" --tensor-parallel-size 4 --nnodes 2 --node-rank R \
+        --dist-init-addr 127.0.0.1:29500
 
 With no --model the tiny demo checkpoint is built (random weights: the text is gibberish; the point is the engine:
 streaming, chunked prefill, and the second chat turn reusing the first turn's cached prefix).
@@ -10,11 +13,14 @@ streaming, chunked prefill, and the second chat turn reusing the first turn's ca
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from qnext.distributed.multiprocess import add_distributed_flags, distributed_config, initialize  # noqa: E402
 
 DEMO_TURNS = [
     "Tell me a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -46,7 +52,13 @@ def parse_args(argv=None):
     p.add_argument("--no-warm-up", action="store_true", help="compile step shapes lazily instead of up front")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="devices the model's heads are split over (on CPU: that many XLA host devices)")
-    return p.parse_args(argv)
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="split the MoE experts over the tensor-parallel devices instead of their units")
+    add_distributed_flags(p)
+    args = p.parse_args(argv)
+    if args.nnodes > 1 and args.chat:
+        p.error("--chat reads the terminal in one process; with --nnodes > 1 use --prompt (every process runs it)")
+    return args
 
 
 def build_llm(args):
@@ -54,7 +66,11 @@ def build_llm(args):
 
     from qnext.model.host_devices import request_host_devices
 
-    request_host_devices(args.tensor_parallel_size)     # before JAX starts
+    dist = distributed_config(args)
+    request_host_devices(args.tensor_parallel_size // dist.nnodes)     # before JAX starts
+    initialize(dist)                   # every process runs the same calls; only rank 0 prints
+    if dist.node_rank:
+        sys.stdout = open(os.devnull, "w")
     import qnext
     from qnext.testing.tiny_checkpoint import demo_checkpoint_dir
 
@@ -67,7 +83,8 @@ def build_llm(args):
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
                         num_scheduler_steps=args.num_scheduler_steps,
-                        tensor_parallel_size=args.tensor_parallel_size)
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        enable_expert_parallel=args.enable_expert_parallel)
         bar.update()
     if not args.no_warm_up:
         with tqdm(total=llm.engine.num_step_shapes, desc="compiling step shapes", unit="shape", leave=False) as bar:

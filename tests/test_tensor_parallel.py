@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qnext.model.tensor_parallel import _device_major, local_config, make_mesh
+from qnext.model.tensor_parallel import _device_major, local_config, make_mesh, replicate_heads, sharded_model_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,8 +92,43 @@ def test_local_config_splits_heads_and_rejects_what_does_not_divide(tiny_checkpo
     assert (local.num_key_value_heads, local.linear_num_value_heads) == (cfg.num_key_value_heads // 2,
                                                                          cfg.linear_num_value_heads // 2)
     assert local_config(cfg, 1) is cfg
-    with pytest.raises(ValueError, match="tensor_parallel_size=4 must divide the model's num_key_value_heads"):
-        local_config(cfg, 4)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the model's num_attention_heads"):
+        local_config(cfg, 3)
+
+
+def test_heads_that_tp_exceeds_are_replicated_exactly(tiny_checkpoint):
+    import dataclasses
+
+    from qnext.config import ModelConfig
+    from qnext.model.weights import init_params
+
+    cfg = ModelConfig.from_pretrained(tiny_checkpoint("qwen3_5"))     # 4 / 2 query / KV heads, DeltaNet 2 / 4
+    wide = sharded_model_config(cfg, 4)
+    assert (wide.num_key_value_heads, wide.linear_num_key_heads) == (4, 4)
+    assert (local_config(cfg, 4).num_key_value_heads, local_config(cfg, 4).linear_num_key_heads) == (1, 1)
+    params = init_params(dataclasses.replace(cfg, attention_bias=True))
+    full = cfg.full_layer_ids[0]
+    qkv = params["layers"][full]["attn"]["qkv_proj"]
+    hq, d = cfg.num_attention_heads, cfg.head_dim
+    wide_qkv = replicate_heads(params, dataclasses.replace(cfg, attention_bias=True), 4)["layers"][full]["attn"]
+    k, wide_k = qkv[2 * hq * d:2 * hq * d + 2 * d], wide_qkv["qkv_proj"][2 * hq * d:2 * hq * d + 4 * d]
+    # KV head j becomes heads 2j and 2j + 1: query head h still reads kv head h // (Hq / Hkv)
+    np.testing.assert_array_equal(wide_k, np.concatenate([k[:d], k[:d], k[d:], k[d:]]))
+    assert wide_qkv["qkv_bias"].shape == (2 * hq * d + 8 * d,)
+    np.testing.assert_array_equal(wide_qkv["qkv_proj"][:2 * hq * d], qkv[:2 * hq * d])       # q and gate kept
+    with pytest.raises(ValueError, match="must divide the model's num_key_value_heads \\(2\\) or be a multiple"):
+        sharded_model_config(dataclasses.replace(cfg, num_attention_heads=12, linear_num_value_heads=12), 3)
+
+
+def test_expert_parallel_configurations_it_cannot_serve_fail_at_start(tiny_checkpoint):
+    import qnext
+
+    with pytest.raises(ValueError, match="must divide the model's num_experts \\(8\\)"):
+        qnext.LLM(tiny_checkpoint("qwen3_5_moe"), tensor_parallel_size=3, enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="enable_expert_parallel needs a MoE model"):
+        qnext.LLM(tiny_checkpoint("qwen3_5"), tensor_parallel_size=2, enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="enable_expert_parallel needs tensor_parallel_size > 1"):
+        qnext.LLM(tiny_checkpoint("qwen3_5_moe"), enable_expert_parallel=True)
 
 
 def test_too_few_devices_is_a_clear_error():

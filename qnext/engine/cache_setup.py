@@ -31,8 +31,9 @@ from cache.sizing import GIB, CacheSizes, plan_cache
 from qnext.config import ModelConfig
 from qnext.engine.config import EngineConfig
 from qnext.model.cache_buffers import cache_layout
-from qnext.model.tensor_parallel import sharded_buffers
+from qnext.model.tensor_parallel import sharded_buffers, sharded_model_config
 from qnext.model.weights import as_dtype
+from qnext.model.host_devices import engine_devices
 
 logger = logging.getLogger("qnext.engine")
 
@@ -41,16 +42,19 @@ SNAPSHOTS_PER_SEQ = 4      # default snapshot rows per running sequence where no
 
 def device_memory_stats() -> dict | None:
     """The first device's memory_stats() (GPUs report bytes_limit and bytes_in_use; CPUs report None)."""
-    return jax.local_devices()[0].memory_stats()
+    return engine_devices()[0].memory_stats()
 
 
 def cache_sizes(cfg: ModelConfig, c: EngineConfig, max_model_len: int, activation_bytes=lambda: 0) -> CacheSizes:
-    """The split of the cache budget. `activation_bytes()` is asked only on the GPU path (it compiles)."""
-    layout = cache_layout(cfg, as_dtype(c.dtype))
+    """The split of the cache budget. `activation_bytes()` is asked only on the GPU path (it compiles). Bytes are
+    per device: under tensor parallelism each holds 1/tp of the heads (KV heads replicated where tp exceeds them)."""
     tp = c.tensor_parallel_size
+    cfg = sharded_model_config(cfg, tp)
+    layout = cache_layout(cfg, as_dtype(c.dtype))
     hybrid = bool(cfg.linear_layer_ids)
-    kv_per_block = layout.kv_bytes_per_block(c.block_size) // tp     # per device: buffers are split by head
-    row_bytes = layout.state_bytes_per_row // tp if hybrid else 0
+    split = tp if cfg.attention_tensor_parallel else 1                # buffers split by head, or whole
+    kv_per_block = layout.kv_bytes_per_block(c.block_size) // split     # per device
+    row_bytes = layout.state_bytes_per_row // split if hybrid else 0
     blocks_per_seq = -(-max_model_len // c.block_size)
     requested = c.max_num_snapshots
     if requested is None:
@@ -96,7 +100,7 @@ def host_tier_sizes(cfg: ModelConfig, c: EngineConfig, sizes: CacheSizes) -> tup
     """(host-tier KV blocks, host-tier snapshot slots). The host keeps whole (unsharded) blocks and rows."""
     if not c.enable_prefix_caching:
         return 0, 0
-    layout = cache_layout(cfg, as_dtype(c.dtype))
+    layout = cache_layout(sharded_model_config(cfg, c.tensor_parallel_size), as_dtype(c.dtype))
     block_bytes = layout.kv_bytes_per_block(c.block_size)
     row_bytes = layout.state_bytes_per_row if cfg.linear_layer_ids else 0
     budget = int(c.kv_offloading_size * GIB)
@@ -114,6 +118,7 @@ def make_cache(cfg: ModelConfig, c: EngineConfig, sizes: CacheSizes, mesh=None,
     host tier's arrays (None without a host tier). With `prefix_cache_dir` (and its `fingerprint`) a cache file
     written for the same fingerprint is loaded into the host tier."""
     host_blocks, host_snapshots = host_tier_sizes(cfg, c, sizes)
+    cfg = sharded_model_config(cfg, c.tensor_parallel_size)      # the buffers hold the replicated heads too
     cache = CacheManager(CacheConfig(block_size=c.block_size, num_blocks=sizes.num_blocks + 1,
                                      num_live_slots=sizes.num_live_rows, num_snapshot_slots=sizes.num_snapshot_rows,
                                      enable_prefix_caching=c.enable_prefix_caching,
@@ -125,8 +130,8 @@ def make_cache(cfg: ModelConfig, c: EngineConfig, sizes: CacheSizes, mesh=None,
                                  num_state_rows=num_state_rows(sizes.num_live_rows, sizes.num_snapshot_rows))
     # committed to the device, as the params and every step's outputs are (uncommitted, the first shape that runs
     # compiles again on its second call)
-    cache.attach_buffers(sharded_buffers(allocate, mesh) if mesh is not None
-                         else jax.device_put(allocate(), jax.devices()[0]))
+    cache.attach_buffers(sharded_buffers(allocate, mesh, cfg) if mesh is not None
+                         else jax.device_put(allocate(), engine_devices()[0]))
     capped = sizes.max_num_snapshots is not None and sizes.num_snapshot_rows < sizes.max_num_snapshots
     (logger.warning if capped else logger.info)(sizes.describe())
     host = None
@@ -146,6 +151,7 @@ def make_cache(cfg: ModelConfig, c: EngineConfig, sizes: CacheSizes, mesh=None,
 def prefix_cache_fingerprint(cfg: ModelConfig, c: EngineConfig, weights_digest: str) -> dict:
     """What a persisted cache is bound to (cache/fingerprint.py): the model config (its kernels' backends aside), the
     weights' digest, the dtype, the block size and the cache layout's version."""
+    cfg = sharded_model_config(cfg, c.tensor_parallel_size)      # its buffers' layout (replicated heads)
     config = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("backend", "gpu_kernels")}
     return cache_fingerprint(config, weights_digest, c.dtype, c.block_size)
 

@@ -26,6 +26,8 @@ class EngineConfig:
     max_prefill_groups_extra: int = 8         # prefill groups a step may have beyond tokens / chunk
     num_scheduler_steps: int = 1              # decode steps per jitted call (1: one step per call)
     tensor_parallel_size: int = 1             # devices the model's heads are split over (tensor_parallel.py)
+    enable_expert_parallel: bool = False      # the same devices split the MoE experts, not their units
+    attention_tensor_parallel: bool = True    # False: attention / DeltaNet and their cache whole on every device
     kv_offloading_size: float = 0.0           # GiB of host RAM for the cache's host tier (evicted KV blocks and
                                               # snapshots); 0: evictions are dropped (docs/cache.md)
     prefix_cache_dir: str | os.PathLike | None = None   # the prefix cache is written here at close(), read at start

@@ -33,7 +33,7 @@ from qnext.engine.sequence import Sequence
 from qnext.engine.stats import EngineStats
 from qnext.model.buckets import BucketTable
 from qnext.model.loader import checkpoint_files, convert_checkpoint, load_params
-from qnext.model.tensor_parallel import local_config, make_mesh, shard_params
+from qnext.model.tensor_parallel import make_mesh, parallel_config, shard_params
 from qnext.model.weights import as_dtype
 from qnext.outputs import RequestOutput
 from qnext.sampling_params import SamplingParams
@@ -41,6 +41,7 @@ from qnext.structured import GrammarCompiler, StructuredState
 from qnext.structured import validate as validate_structured
 from qnext.structured.thinking_budget import THINK_END, THINK_START, ThinkingBudget, prompt_inside_reasoning
 from qnext.tokenizer import IncrementalDetokenizer, Tokenizer
+from qnext.model.host_devices import engine_devices
 
 logger = logging.getLogger("qnext.engine")
 
@@ -61,8 +62,8 @@ class LLMEngine:
         tokenizer = Tokenizer.from_pretrained(model) if (model / "tokenizer.json").is_file() else None
         (progress or (lambda msg: None))("loading weights")
         dtype, tp = as_dtype(config.dtype), config.tensor_parallel_size
+        cfg = parallel_config(cfg, tp, config.enable_expert_parallel, config.attention_tensor_parallel)
         if tp > 1:                       # host arrays, then each device gets only its shard
-            local_config(cfg, tp)        # the heads must divide: checked before anything is read
             params = shard_params(convert_checkpoint(model, cfg, dtype), cfg, make_mesh(tp))
         else:
             params = load_params(model, cfg, dtype)
@@ -78,6 +79,8 @@ class LLMEngine:
         parallelism), which `update_weights` later overwrites in place."""
         engine = cls.__new__(cls)
         config = EngineConfig(**options)
+        cfg = parallel_config(cfg, config.tensor_parallel_size, config.enable_expert_parallel,
+                              config.attention_tensor_parallel)
         placed = place_params(params, cfg, config)
         engine._start(config, cfg, placed, tokenizer)
         # updates arrive as the source's arrays (or, under tensor parallelism, re-placed like the engine's own)
@@ -388,7 +391,7 @@ def place_params(params, cfg: ModelConfig, config: EngineConfig):
     if config.tensor_parallel_size > 1:
         host = map_specs(lambda path, spec: np.asarray(jax.device_get(value(path, spec))).astype(spec.dtype), specs)
         return shard_params(host, cfg, make_mesh(config.tensor_parallel_size))
-    device = jax.devices()[0]
+    device = engine_devices()[0]
     return map_specs(lambda path, spec: jax.device_put(jnp.array(value(path, spec), dtype=spec.dtype), device), specs)
 
 

@@ -19,7 +19,7 @@ from qnext.engine.stats import EngineStats
 from qnext.model.buckets import BucketTable
 from qnext.model.forward import forward
 from qnext.model.step_inputs import Segment, build_step_inputs
-from qnext.model.tensor_parallel import local_config, shard_step
+from qnext.model.tensor_parallel import local_config, shard_step, sharded_model_config
 from qnext.sampling_params import SamplingParams
 from qnext.structured.matcher import bitmask_words, fill_bitmask
 from qnext.structured.thinking_budget import force_rows
@@ -206,7 +206,8 @@ class ModelRunner:
         s = bucket.sizes
         segments = [Segment([0] * 2, 0, [0], -1, 0)] if s.num_chunks else [Segment([0], 0, [0], -1, 0)] * 2
         inputs = build_step_inputs(segments, s, block_size=self.config.block_size, chunk=bucket.chunk)
-        layout = cache_layout(self.cfg, self.params["embed"].dtype)
+        layout = cache_layout(sharded_model_config(self.cfg, self.config.tensor_parallel_size),
+                              self.params["embed"].dtype)
         buffers = jax.eval_shape(lambda: allocate_cache_buffers(layout, num_blocks=2, block_size=self.config.block_size,
                                                                 num_state_rows=2))
         params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.params)

@@ -17,6 +17,7 @@ import numpy as np
 
 from qnext.config import ModelConfig
 from qnext.model.weights import as_dtype, map_specs, param_specs
+from qnext.model.host_devices import engine_devices
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ def restore_converted(cache_dir: str | Path, key: str, cfg: ModelConfig, dtype: 
     path = Path(cache_dir).resolve() / key
     if not (path / "commit_success.txt").exists() and not (path / "_CHECKPOINT_METADATA").exists():
         return None
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    sharding = jax.sharding.SingleDeviceSharding(engine_devices()[0])
     abstract = map_specs(
         lambda _, s: jax.ShapeDtypeStruct(s.shape, np.dtype(s.dtype), sharding=sharding), param_specs(cfg, dtype)
     )

@@ -14,7 +14,7 @@ from qnext.model.linear import linear
 from qnext.model.mlp import feed_forward
 from qnext.model.norms import rms_norm
 from qnext.model.step_inputs import StepInputs
-from qnext.model.tensor_parallel import all_reduce, gather_vocab
+from qnext.model.tensor_parallel import all_reduce, gather_vocab, mixer_all_reduce
 
 
 def forward(params, buffers: CacheBuffers, inputs: StepInputs, cfg: ModelConfig):
@@ -32,7 +32,7 @@ def forward(params, buffers: CacheBuffers, inputs: StepInputs, cfg: ModelConfig)
             else:
                 out, kv[kv_i] = full_attention(p["attn"], h, kv[kv_i], inputs, cfg)
                 kv_i += 1
-            x = x + all_reduce(out, cfg)              # the sum of the devices' partial outputs (tensor parallel)
+            x = x + mixer_all_reduce(out, cfg)        # the sum of the devices' partial outputs (tensor parallel)
             mlp_out = feed_forward(p["mlp"], rms_norm(x, p["post_attn_norm"], cfg.rms_norm_eps), cfg, i)
             x = x + all_reduce(mlp_out, cfg)
     h = rms_norm(x[inputs.logits_index], params["final_norm"], cfg.rms_norm_eps)

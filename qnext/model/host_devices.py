@@ -13,3 +13,14 @@ def request_host_devices(count: int) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if count > 1 and _FLAG not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {_FLAG}={count}".strip()
+
+
+def engine_devices(count: int = 1) -> list:
+    """The `count` devices an engine places its params and cache on: from `jax.default_device` (a data parallel
+    replica's first device) onward when one is set, else from the first device."""
+    import jax
+
+    devices = jax.devices()
+    default = jax.config.jax_default_device
+    start = devices.index(default) if default is not None and default in devices else 0
+    return devices[start:start + count]

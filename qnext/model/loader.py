@@ -20,6 +20,7 @@ import numpy as np
 from qnext.config import ModelConfig, read_json
 from qnext.model import converted_cache
 from qnext.model.weights import ParamSpec, as_dtype, map_specs, param_specs
+from qnext.model.host_devices import engine_devices
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def load_params(
     import jax
 
     dt = as_dtype(dtype)
-    device = jax.devices()[0]
+    device = engine_devices()[0]
     key = None
     if cache_dir is not None:
         key = converted_cache.cache_key(path, dt)

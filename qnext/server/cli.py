@@ -73,6 +73,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="accepted for vLLM compatibility; tool_choice 'auto' is always served")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_access_arguments(p)
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas, each on its own tensor_parallel_size devices (qnext/server/data_parallel.py)")
+    p.add_argument("--data-parallel-routing", default="cache_aware", choices=["cache_aware", "round_robin"],
+                   help="with --data-parallel-size > 1: to the replica holding the longest cached prefix, or in turn")
 
 
 def add_access_arguments(p: argparse.ArgumentParser) -> None:
@@ -92,7 +96,10 @@ def add_access_arguments(p: argparse.ArgumentParser) -> None:
 def serve(args: argparse.Namespace, engine_options: dict) -> int:
     from qnext.model.host_devices import request_host_devices
 
-    request_host_devices(engine_options.get("tensor_parallel_size") or 1)     # before JAX starts
+    if args.data_parallel_size < 1:
+        logger.error("--data-parallel-size must be a positive integer, got %d", args.data_parallel_size)
+        return 2
+    request_host_devices((engine_options.get("tensor_parallel_size") or 1) * args.data_parallel_size)   # before JAX
     import uvicorn
 
     import qnext
@@ -111,16 +118,23 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
     logger.info("loading %s with %s; compilation cache: %s", model, engine_options or "the engine's default options",
                 cache_dir or "off")
     try:
-        llm = qnext.LLM(model, progress=logger.info, **engine_options)
-        if not args.no_warm_up:
-            warm_up_unless_cached(llm.engine, None if args.no_warm_up_cache_check else cache_dir)
+        async_engine = metrics = None
+        if args.data_parallel_size > 1:
+            from qnext.server.data_parallel import build_replicas
+
+            engine, async_engine, metrics = build_replicas(model, engine_options, args, names[0])
+        else:
+            engine = qnext.LLM(model, progress=logger.info, **engine_options).engine
+            if not args.no_warm_up:
+                warm_up_unless_cached(engine, None if args.no_warm_up_cache_check else cache_dir)
     except ValueError as e:                     # a bad option or checkpoint: say which, without a traceback
         logger.error("cannot serve %s: %s", model, e)
         return 2
     freeze_startup_heap()              # a long-running front end: the cyclic GC skips the start-up heap
-    app = build_app(llm.engine, model_name=names[0], aliases=names[1:], max_waiting_requests=args.max_waiting_requests,
+    app = build_app(engine, model_name=names[0], aliases=names[1:], max_waiting_requests=args.max_waiting_requests,
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                    api_key=args.api_key, max_request_bytes=args.max_request_bytes)
+                    api_key=args.api_key, max_request_bytes=args.max_request_bytes, async_engine=async_engine,
+                    metrics=metrics)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
     # uvicorn drains on SIGTERM / SIGINT, then re-raises the signal to the handler it found: make that one a no-op

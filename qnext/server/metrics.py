@@ -49,11 +49,12 @@ def cache_usage(engine) -> dict:
 
 
 class ServerMetrics:
-    def __init__(self, async_engine_snapshot, model_name: str):
-        """async_engine_snapshot() -> EngineSnapshot (engine_loop)."""
+    def __init__(self, async_engine_snapshot, model_name: str, labels: dict | None = None):
+        """async_engine_snapshot() -> EngineSnapshot (engine_loop); labels: more labels on every sample (a data
+        parallel replica's engine="i")."""
         self.registry = CollectorRegistry()
         self._snapshot = async_engine_snapshot
-        self._labels = {"model_name": model_name}
+        self._labels = {"model_name": model_name, **(labels or {})}
         labels = list(self._labels)
         self.ttft = Histogram("qnext:time_to_first_token_seconds", "Time from arrival to the first token.",
                               labels, buckets=_LATENCY_BUCKETS, registry=self.registry).labels(**self._labels)

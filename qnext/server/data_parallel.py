@@ -1,0 +1,231 @@
+"""Data parallelism in the server (`qnext serve --data-parallel-size N`): N engine replicas behind one HTTP app,
+each with its own engine thread (AsyncEngine), cache and metrics, and a router in front of them.
+
+Cache-aware routing (SGLang's router, vLLM's prefix-aware routing): the router keeps, per replica, the chained
+block hashes (cache/hashing.py, the engine's own) of what it sent there and what came back (prompt + reply: the
+next chat turn's prefix), bounded by the replica's KV blocks (least recently used dropped first). A request goes
+to the replica holding the longest run of its leading block hashes; with no match, or a tie, to the least loaded
+(running + waiting, from the snapshot each engine thread publishes). `round_robin` is there to compare against.
+A replica whose waiting queue is full passes the request to the next best one, so every request is answered
+while any replica has room. The router's table is what was sent, not what the replica kept: a replica may have
+evicted a block since; it then recomputes it, as a single engine would.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
+
+from cache.hashing import block_hashes
+from qnext.server.engine_loop import AsyncEngine, EngineSnapshot, QueueFullError
+from qnext.server.metrics import ServerMetrics, cache_usage
+
+ROUTING = ("cache_aware", "round_robin")
+
+
+class PrefixRouter:
+    """Picks a replica for a prompt's token ids (thread-safe)."""
+
+    def __init__(self, num_replicas: int, block_size: int, capacity_blocks: int, policy: str = "cache_aware",
+                 load_of=lambda i: 0):
+        if policy not in ROUTING:
+            raise ValueError(f"routing policy must be one of {ROUTING}, got {policy!r}")
+        self.num_replicas, self.block_size, self.policy = num_replicas, block_size, policy
+        self.capacity_blocks, self._load_of = capacity_blocks, load_of
+        self._held = [collections.OrderedDict() for _ in range(num_replicas)]   # hash -> None, LRU order
+        self._next = itertools.count()
+        self._lock = threading.Lock()
+
+    def matched_blocks(self, replica: int, hashes: list[bytes]) -> int:
+        held = self._held[replica]
+        n = 0
+        while n < len(hashes) and hashes[n] in held:
+            n += 1
+        return n
+
+    def order(self, token_ids: list[int]) -> list[int]:
+        """Replicas best first: the longest cached prefix, then the least loaded (round robin: in turn)."""
+        if self.policy == "round_robin":
+            first = next(self._next) % self.num_replicas
+            return [(first + i) % self.num_replicas for i in range(self.num_replicas)]
+        hashes = block_hashes(token_ids, self.block_size)
+        with self._lock:
+            matched = [self.matched_blocks(i, hashes) for i in range(self.num_replicas)]
+        loads = [self._load_of(i) for i in range(self.num_replicas)]
+        return sorted(range(self.num_replicas), key=lambda i: (-matched[i], loads[i], i))
+
+    def record(self, replica: int, token_ids: list[int]) -> None:
+        """`replica` now holds the full blocks of token_ids (a prompt sent, or prompt + reply finished)."""
+        if self.policy == "round_robin":
+            return
+        hashes = block_hashes(token_ids, self.block_size)
+        with self._lock:
+            held = self._held[replica]
+            for h in hashes:
+                held[h] = None
+                held.move_to_end(h)
+            while len(held) > self.capacity_blocks:
+                held.popitem(last=False)
+
+
+class _ReplicaLoop(AsyncEngine):
+    """A replica's engine thread, run under the `jax.default_device` its engine was loaded and warmed up under:
+    the device is part of jit's cache key, so stepping outside it would compile every step shape again."""
+
+    def __init__(self, engine, device, **kwargs):
+        super().__init__(engine, **kwargs)
+        self._device = device
+
+    def _run(self) -> None:
+        import jax
+
+        with jax.default_device(self._device):
+            super()._run()
+
+
+class _ReplicaObserver:
+    """The replica's metrics observer, plus: a finished request's prompt + reply recorded in the router."""
+
+    def __init__(self, metrics: ServerMetrics, router: PrefixRouter, replica: int, owners: dict):
+        self.metrics, self.router, self.replica, self.owners = metrics, router, replica, owners
+
+    def on_first_token(self, stream) -> None:
+        self.metrics.on_first_token(stream)
+
+    def on_finish(self, stream, out) -> None:
+        self.metrics.on_finish(stream, out)
+        self.owners.pop(out.request_id, None)
+        self.router.record(self.replica, list(out.prompt_token_ids) + list(out.outputs[0].token_ids))
+
+
+class DataParallelEngine:
+    """AsyncEngine's interface (add, abort, snapshot, start, stop, is_running, engine) over N replicas."""
+
+    def __init__(self, engines: list, *, max_waiting_requests: int, model_name: str, routing: str = "cache_aware",
+                 devices: list | None = None):
+        """devices: each replica's jax.default_device (its first device), None: the default."""
+        if not engines:
+            raise ValueError("data parallelism needs at least one engine replica")
+        first = engines[0]
+        capacity = first.cache_sizes.num_blocks if hasattr(first, "cache_sizes") else 1 << 16
+        self.router = PrefixRouter(len(engines), first.config.block_size, capacity, routing,
+                                   load_of=self._load)
+        self.replicas: list[AsyncEngine] = []
+        self.metrics: list[ServerMetrics] = []
+        self._owner: dict[str, AsyncEngine] = {}          # request id -> its replica, until it finishes
+        for i, engine in enumerate(engines):
+            holder: list[AsyncEngine] = []
+            metrics = ServerMetrics(lambda h=holder: h[0].snapshot(), model_name, labels={"engine": str(i)})
+            replica = _ReplicaLoop(engine, devices[i] if devices else None, max_waiting_requests=max_waiting_requests,
+                                  observer=_ReplicaObserver(metrics, self.router, i, self._owner),
+                                  usage_of=cache_usage)
+            holder.append(replica)
+            self.replicas.append(replica)
+            self.metrics.append(metrics)
+        self.engine = first                   # the tokenizer and limits the HTTP side reads (same model everywhere)
+        self.routed = [0] * len(engines)      # requests sent to each replica
+        self.server_metrics = _MergedMetrics(self)
+
+    def _load(self, i: int) -> int:
+        snap = self.replicas[i].snapshot()
+        return snap.num_running + snap.num_waiting
+
+    def start(self) -> None:
+        for r in self.replicas:
+            r.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for r in self.replicas:
+            r.stop(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return all(r.is_running for r in self.replicas)
+
+    def snapshot(self) -> EngineSnapshot:
+        snaps = [r.snapshot() for r in self.replicas]
+        return EngineSnapshot(num_running=sum(s.num_running for s in snaps),
+                              num_waiting=sum(s.num_waiting for s in snaps))
+
+    def abort(self, request_id: str) -> None:
+        owner = self._owner.get(request_id)
+        if owner is not None:
+            owner.abort(request_id)
+
+    async def add(self, request_id: str, prompt: dict, params):
+        token_ids = list(prompt["prompt_token_ids"])
+        error: QueueFullError | None = None
+        for i in self.router.order(token_ids):
+            try:
+                stream = await self.replicas[i].add(request_id, prompt, params)
+            except QueueFullError as e:            # this replica is full: the next best one
+                error = e
+                continue
+            self._owner[request_id] = self.replicas[i]
+            self.routed[i] += 1
+            self.router.record(i, token_ids)
+            return stream
+        raise error
+
+    def render_metrics(self) -> bytes:
+        """Every replica's metrics in one exposition, each sample labelled engine="i"."""
+        registry = CollectorRegistry()
+        registry.register(_MergedCollector([m.registry for m in self.metrics]))
+        return generate_latest(registry)
+
+
+class _MergedMetrics:
+    """What the app asks of its metrics: HTTP errors counted (on replica 0's registry), and the exposition."""
+
+    def __init__(self, dp: DataParallelEngine):
+        self._dp = dp
+
+    def count_error(self, status: int) -> None:
+        self._dp.metrics[0].count_error(status)
+
+    def render(self) -> bytes:
+        return self._dp.render_metrics()
+
+
+class _MergedCollector:
+    def __init__(self, registries):
+        self._registries = registries
+
+    def collect(self):
+        merged: dict[str, Metric] = {}
+        for registry in self._registries:
+            for family in registry.collect():
+                if family.name not in merged:
+                    merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                merged[family.name].samples.extend(family.samples)
+        yield from merged.values()
+
+
+def build_replicas(model, engine_options: dict, args, model_name: str):
+    """`qnext serve --data-parallel-size N`: N engines, replica i on the devices from i * tensor_parallel_size
+    (jax.default_device while it loads: qnext.model.host_devices.engine_devices) -> (the first engine, the
+    DataParallelEngine, its metrics), for build_app."""
+    import logging
+
+    import jax
+
+    import qnext
+    logger = logging.getLogger("qnext.server")
+    tp = engine_options.get("tensor_parallel_size") or 1
+    devices = jax.devices()
+    if len(devices) < args.data_parallel_size * tp:
+        raise ValueError(f"--data-parallel-size {args.data_parallel_size} x tensor_parallel_size {tp} needs "
+                         f"{args.data_parallel_size * tp} devices; JAX sees {len(devices)}")
+    engines = []
+    for i in range(args.data_parallel_size):
+        with jax.default_device(devices[i * tp]):
+            logger.info("replica %d on devices %d..%d", i, i * tp, (i + 1) * tp - 1)
+            engines.append(qnext.LLM(model, warm_up=not args.no_warm_up, progress=logger.info,
+                                     **engine_options).engine)
+    dp = DataParallelEngine(engines, max_waiting_requests=args.max_waiting_requests, model_name=model_name,
+                            routing=args.data_parallel_routing,
+                            devices=[devices[i * tp] for i in range(args.data_parallel_size)])
+    return engines[0], dp, dp.server_metrics

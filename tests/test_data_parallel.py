@@ -1,0 +1,88 @@
+"""Data parallelism in the server (qnext/server/data_parallel.py): the router sends a chat's next turn to the replica
+holding its prefix, otherwise to the least loaded; a full replica passes requests on; /metrics per replica."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from cache.hashing import block_hashes
+from qnext.server.data_parallel import PrefixRouter
+
+
+def test_cache_aware_router_prefers_the_longest_prefix_then_the_least_loaded():
+    loads = [0, 0]
+    router = PrefixRouter(2, block_size=4, capacity_blocks=100, load_of=lambda i: loads[i])
+    chat = list(range(10, 30))
+    assert router.order(chat)[0] == 0                    # nothing cached, equal loads: the first
+    router.record(0, chat)
+    loads[0] = 5                                         # busier, but it holds the prefix
+    assert router.order(chat + [7, 8, 9, 10])[0] == 0
+    assert router.order(list(range(100, 120)))[0] == 1   # no match anywhere: the least loaded
+    router.record(1, chat[:8])
+    assert router.matched_blocks(1, block_hashes(chat, 4)) == 2
+    assert router.order(chat)[0] == 0                    # 5 blocks beat 2
+
+
+def test_router_forgets_the_least_recently_sent_blocks_beyond_the_replica_capacity():
+    router = PrefixRouter(2, block_size=4, capacity_blocks=3)
+    old, new = list(range(12)), list(range(50, 62))
+    router.record(0, old)
+    router.record(0, new)
+    assert router.matched_blocks(0, block_hashes(old, 4)) == 0 and router.matched_blocks(0, block_hashes(new, 4)) == 3
+
+
+def test_round_robin_takes_turns_and_bad_policies_are_refused():
+    router = PrefixRouter(3, block_size=4, capacity_blocks=10, policy="round_robin")
+    assert [router.order([1, 2, 3, 4])[0] for _ in range(4)] == [0, 1, 2, 0]
+    with pytest.raises(ValueError, match="routing policy must be one of"):
+        PrefixRouter(2, block_size=4, capacity_blocks=10, policy="random")
+
+
+def test_two_replicas_serve_a_chat_from_the_cache_and_answer_everything(tiny_checkpoint):
+    import qnext
+    from qnext import SamplingParams
+    from qnext.server.data_parallel import DataParallelEngine
+
+    options = dict(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=128, block_size=16,
+                   num_gpu_blocks_override=24, max_num_snapshots=8)
+    path = tiny_checkpoint("qwen3_5")
+    engines = [qnext.LLM(path, **options).engine for _ in range(2)]
+    # one waiting request per replica at most: a burst must spill over to the other replica, never fail
+    dp = DataParallelEngine(engines, max_waiting_requests=1, model_name="tiny", routing="cache_aware")
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def run(request_id, token_ids):
+        for _ in range(200):                       # bounded retries while both queues are full
+            try:
+                stream = await dp.add(request_id, {"prompt": None, "prompt_token_ids": token_ids}, params)
+                break
+            except Exception as e:                 # QueueFullError from both replicas
+                assert "already waiting" in str(e), e
+                await asyncio.sleep(0.05)
+        last = None
+        async for delta in stream:
+            last = delta.output
+        return last
+
+    async def scenario():
+        dp.start()
+        try:
+            first = list(rng.integers(3, 500, 40))
+            out = await run("turn-1", first)
+            second = first + list(out.outputs[0].token_ids) + list(rng.integers(3, 500, 8))
+            out2 = await run("turn-2", second)
+            burst = await asyncio.gather(*(run(f"b{i}", list(rng.integers(3, 500, 20))) for i in range(6)))
+            return out, out2, burst
+        finally:
+            dp.stop()
+
+    out, out2, burst = asyncio.run(scenario())
+    assert out2.num_cached_tokens >= 32                    # the second turn went where the first one is cached
+    assert all(o is not None and o.finished and len(o.outputs[0].token_ids) == 4 for o in burst)
+    assert min(dp.routed) >= 1 and sum(dp.routed) == 8, dp.routed
+    text = dp.render_metrics().decode()
+    assert 'engine="0"' in text and 'engine="1"' in text
+    assert text.count("# TYPE qnext:num_requests_running gauge") == 1
