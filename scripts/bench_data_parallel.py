@@ -28,20 +28,16 @@ RUNS = (("1 engine", []),
 
 def main(argv=None) -> int:
     args = bench_serving.parse_args(argv)
-    from qnext.server.launch import ServerProcess
+    from qnext.server.launch import running_server
 
     summaries = []
     for label, flags in RUNS:
         server_args = (([args.model] if args.model else []) + shlex.split(args.server_args) + flags
                        + ["--log-level", "warning"])
         log = Path(tempfile.gettempdir()) / f"qnext-bench-dp-{label.replace(' ', '')}.log"
-        server = ServerProcess(server_args, log_path=log)
-        try:
-            print(f"starting the server ({label}): qnext serve {' '.join(server_args)}", file=sys.stderr)
-            server.wait_healthy(timeout=900)
+        print(f"starting the server ({label}): qnext serve {' '.join(server_args)}", file=sys.stderr)
+        with running_server(server_args, timeout=900, log_path=log) as server:
             summaries.append(asyncio.run(bench_serving.bench_one(server.base_url, label, args)))
-        finally:
-            server.stop()
     print(bench_serving.table(summaries))
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)

@@ -397,7 +397,7 @@ def agent_checkpoint() -> Path:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from qnext.server.launch import ServerProcess
+    from qnext.server.launch import running_server
 
     summaries = []
     if args.server_args is None:
@@ -413,13 +413,9 @@ def main(argv=None) -> int:
             server_args = ([model] if model else []) + shlex.split(args.server_args) + [
                 flag, "--block-size", str(args.block_size), "--log-level", "warning"]
             log = Path(tempfile.gettempdir()) / f"qnext-bench-serving-{flag.strip('-')}.log"
-            server = ServerProcess(server_args, log_path=log)
-            try:
-                print(f"starting the server ({label}): qnext serve {' '.join(server_args)}", file=sys.stderr)
-                server.wait_healthy(timeout=900)
+            print(f"starting the server ({label}): qnext serve {' '.join(server_args)}", file=sys.stderr)
+            with running_server(server_args, timeout=900, log_path=log) as server:
                 summaries.append(asyncio.run(bench_one(server.base_url, label, args)))
-            finally:
-                server.stop()
     print(agent_table(summaries) if args.workload == "agent" else table(summaries))
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)

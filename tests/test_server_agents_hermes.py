@@ -8,7 +8,7 @@ import json
 import openai
 import pytest
 
-from qnext.server.launch import ServerProcess
+from qnext.server.launch import running_server
 from qnext.testing.tiny_tokenizer import TINY_HERMES_CHAT_TEMPLATE
 from tests.agent_server_cases import (MESSAGES, TOOLS, assemble_stream, check_forced, forced_request,
                                       write_checkpoint)
@@ -23,13 +23,9 @@ SERVER_ARGS = ["--served-model-name", MODEL, "--max-num-seqs", "4", "--max-num-b
 def server(tmp_path_factory):
     checkpoint = write_checkpoint(tmp_path_factory.mktemp("qwen3_next"), "qwen3_next",
                                   chat_template=TINY_HERMES_CHAT_TEMPLATE)
-    proc = ServerProcess([str(checkpoint), *SERVER_ARGS], log_path=tmp_path_factory.mktemp("server") / "server.log",
-                         env={"JAX_PLATFORMS": "cpu"})
-    try:
-        proc.wait_healthy(timeout=300)
+    with running_server([str(checkpoint), *SERVER_ARGS], timeout=300, log_path=tmp_path_factory.mktemp("server") / "server.log",
+                        env={"JAX_PLATFORMS": "cpu"}) as proc:
         yield proc
-    finally:
-        proc.stop(timeout=30)
 
 
 @pytest.fixture(scope="module")

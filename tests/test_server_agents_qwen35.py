@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from qnext.sampling_params import StructuredOutputsParams
-from qnext.server.launch import ServerProcess
+from qnext.server.launch import running_server
 from qnext.structured import GrammarCompiler
 from qnext.tokenizer import Tokenizer
 from tests.agent_server_cases import (MESSAGES, SCHEMAS, TOOLS, WEATHER, assemble_stream, check_forced,
@@ -31,13 +31,9 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
-    proc = ServerProcess([str(checkpoint), *SERVER_ARGS], log_path=tmp_path_factory.mktemp("server") / "server.log",
-                         env={"JAX_PLATFORMS": "cpu"})
-    try:
-        proc.wait_healthy(timeout=300)
+    with running_server([str(checkpoint), *SERVER_ARGS], timeout=300, log_path=tmp_path_factory.mktemp("server") / "server.log",
+                        env={"JAX_PLATFORMS": "cpu"}) as proc:
         yield proc
-    finally:
-        proc.stop(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ of Claude Code and Codex are replayed and answered 200. One server for the modul
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 
-from qnext.server.launch import ServerProcess
+from qnext.server.launch import running_server
 from qnext.testing.tiny_checkpoint import write_tiny_checkpoint
 
 MODEL, SMALL_MODEL = "qnext-tiny-demo", "claude-small-alias"
@@ -43,13 +42,9 @@ FORCED = {"seed": 7, "ignore_eos": True}
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("agents")
     checkpoint = write_tiny_checkpoint(tmp / "tiny-64k", "qwen3_5", seed=0, max_position_embeddings=MAX_MODEL_LEN)
-    proc = ServerProcess([str(checkpoint), *SERVER_ARGS], log_path=tmp / "server.log",
-                         env={"JAX_PLATFORMS": "cpu", "QNEXT_COMPILATION_CACHE_DIR": str(tmp / "jax")})
-    try:
-        proc.wait_healthy(timeout=300)
+    with running_server([str(checkpoint), *SERVER_ARGS], timeout=300, log_path=tmp / "server.log",
+                        env={"JAX_PLATFORMS": "cpu", "QNEXT_COMPILATION_CACHE_DIR": str(tmp / "jax")}) as proc:
         yield proc
-    finally:
-        proc.stop(timeout=30)
 
 
 @pytest.fixture(scope="module")

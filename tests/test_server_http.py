@@ -13,7 +13,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from qnext.server.launch import ServerProcess
+from qnext.server.launch import running_server
 
 MODEL = "qnext-tiny-demo"
 MAX_MODEL_LEN = 256
@@ -26,13 +26,9 @@ GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc = ServerProcess(SERVER_ARGS, log_path=tmp_path_factory.mktemp("server") / "server.log",
-                         env={"JAX_PLATFORMS": "cpu"})
-    try:
-        proc.wait_healthy(timeout=300)
+    with running_server(SERVER_ARGS, timeout=300, log_path=tmp_path_factory.mktemp("server") / "server.log",
+                        env={"JAX_PLATFORMS": "cpu"}) as proc:
         yield proc
-    finally:
-        proc.stop(timeout=30)
 
 
 @pytest.fixture

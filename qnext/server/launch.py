@@ -1,6 +1,7 @@
 """Start and stop a `qnext serve` subprocess on loopback (for the serving bench and the tests)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -10,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -65,3 +67,16 @@ class ServerProcess:
         if self.log_path is None or not self.log_path.exists():
             return "(no log)"
         return self.log_path.read_text(errors="replace")[-num_chars:]
+
+
+@contextlib.contextmanager
+def running_server(args: list[str], *, timeout: float, log_path: str | Path | None = None,
+                   env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+    """A `qnext serve ARGS` subprocess on loopback, healthy within `timeout` seconds; stopped however the block
+    ends."""
+    proc = ServerProcess(args, log_path=log_path, env=env)
+    try:
+        proc.wait_healthy(timeout)
+        yield proc
+    finally:
+        proc.stop(timeout=30)

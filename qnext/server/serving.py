@@ -9,7 +9,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from qnext.agents import OutputParser
 from qnext.engine.llm_engine import validate_prompt
 from qnext.outputs import RequestOutput
 from qnext.sampling_params import SamplingParams
