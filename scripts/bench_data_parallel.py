@@ -10,7 +10,6 @@ throughput of two replicas needs two real devices."""
 from __future__ import annotations
 
 import asyncio
-import json
 import shlex
 import sys
 import tempfile
@@ -39,10 +38,7 @@ def main(argv=None) -> int:
         with running_server(server_args, timeout=900, log_path=log) as server:
             summaries.append(asyncio.run(bench_serving.bench_one(server.base_url, label, args)))
     print(bench_serving.table(summaries))
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps({"args": vars(args), "runs": summaries}, indent=2, default=str))
-    return 0 if all(s["failed"] == 0 for s in summaries) else 1
+    return bench_serving.report(summaries, args.json_out, args)
 
 
 if __name__ == "__main__":

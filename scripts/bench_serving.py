@@ -417,9 +417,14 @@ def main(argv=None) -> int:
             with running_server(server_args, timeout=900, log_path=log) as server:
                 summaries.append(asyncio.run(bench_one(server.base_url, label, args)))
     print(agent_table(summaries) if args.workload == "agent" else table(summaries))
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps({"args": vars(args), "runs": summaries}, indent=2, default=str))
+    return report(summaries, args.json_out, args)
+
+
+def report(summaries: list[dict], json_out: str | None, args) -> int:
+    """Writes the runs to json_out (when given) -> the exit status: 0 when no request failed."""
+    if json_out:
+        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_out).write_text(json.dumps({"args": vars(args), "runs": summaries}, indent=2, default=str))
     return 0 if all(s["failed"] == 0 for s in summaries) else 1
 
 

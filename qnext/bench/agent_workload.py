@@ -65,7 +65,7 @@ class AgentWorkload:
     calls_per_turn: int = 2
     system_tokens: int = 4000
     num_tools: int = 12
-    max_tokens: int = 96
+    max_tokens: int = 192          # the bench's --call-max-tokens
     thinking_token_budget: int = 16
     seed: int = 0
 
