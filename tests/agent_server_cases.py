@@ -1,6 +1,8 @@
 """Requests and checks shared by the agent server tests (one module per chat-template format)."""
 from __future__ import annotations
 
+import contextlib
+
 import json
 import re
 
@@ -27,6 +29,29 @@ SYSTEM = ("You are a helpful assistant for travellers. You answer questions abou
 MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the weather in Paris?"}]
 REGEX = r"(yes|no) [0-9]{1,3}"
 CHOICES = ["lighthouse", "harbour", "ship"]
+
+BLOCK_SIZE = 16
+
+
+def agent_server_args(model: str) -> list[str]:
+    """No warm-up and one request at a time: a module compiles only a few step shapes, on first use (concurrent
+    requests would compile a decode shape per batch size)."""
+    return ["--served-model-name", model, "--max-num-seqs", "4", "--max-num-batched-tokens", "128",
+            "--max-model-len", "2048", "--block-size", str(BLOCK_SIZE), "--no-warm-up", "--log-level", "warning"]
+
+
+@contextlib.contextmanager
+def agent_server(checkpoint, model: str, log_dir):
+    """`qnext serve` on checkpoint as `model`, and an openai client for it (the module's one server)."""
+    import openai
+
+    from qnext.server.launch import running_server
+
+    with running_server([str(checkpoint), *agent_server_args(model)], timeout=300, log_path=log_dir / "server.log",
+                        env={"JAX_PLATFORMS": "cpu"}) as proc, \
+            openai.OpenAI(base_url=proc.base_url + "/v1", api_key="unused", timeout=120, max_retries=0) as client:
+        yield client
+
 
 def write_checkpoint(path, family: str, **kwargs):
     """A tiny checkpoint whose eos is the tokenizer's `<|im_end|>`, as in Qwen releases (the default tiny config's

@@ -5,32 +5,20 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 
-from qnext.server.launch import running_server
 from qnext.testing.tiny_tokenizer import TINY_HERMES_CHAT_TEMPLATE
-from tests.agent_server_cases import (MESSAGES, TOOLS, assemble_stream, check_forced, forced_request,
-                                      write_checkpoint)
+from tests.agent_server_cases import (BLOCK_SIZE, MESSAGES, TOOLS, agent_server, assemble_stream, check_forced,
+                                      forced_request, write_checkpoint)
 
 MODEL = "tiny-qwen3-next"
-BLOCK_SIZE = 16
-SERVER_ARGS = ["--served-model-name", MODEL, "--max-num-seqs", "4", "--max-num-batched-tokens", "128",
-               "--max-model-len", "2048", "--block-size", str(BLOCK_SIZE), "--no-warm-up", "--log-level", "warning"]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def client(tmp_path_factory):
     checkpoint = write_checkpoint(tmp_path_factory.mktemp("qwen3_next"), "qwen3_next",
                                   chat_template=TINY_HERMES_CHAT_TEMPLATE)
-    with running_server([str(checkpoint), *SERVER_ARGS], timeout=300, log_path=tmp_path_factory.mktemp("server") / "server.log",
-                        env={"JAX_PLATFORMS": "cpu"}) as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=120, max_retries=0) as c:
+    with agent_server(checkpoint, MODEL, tmp_path_factory.mktemp("server")) as c:
         yield c
 
 

@@ -10,18 +10,12 @@ import openai
 import pytest
 
 from qnext.sampling_params import StructuredOutputsParams
-from qnext.server.launch import running_server
 from qnext.structured import GrammarCompiler
 from qnext.tokenizer import Tokenizer
-from tests.agent_server_cases import (MESSAGES, SCHEMAS, TOOLS, WEATHER, assemble_stream, check_forced,
-                                      forced_request, write_checkpoint)
+from tests.agent_server_cases import (BLOCK_SIZE, MESSAGES, SCHEMAS, TOOLS, WEATHER, agent_server,
+                                      assemble_stream, check_forced, forced_request, write_checkpoint)
 
 MODEL = "tiny-qwen35"
-BLOCK_SIZE = 16
-# No warm-up and one request at a time: the module compiles only a few step shapes, on first use (concurrent
-# requests would compile a decode shape per batch size).
-SERVER_ARGS = ["--served-model-name", MODEL, "--max-num-seqs", "4", "--max-num-batched-tokens", "128",
-               "--max-model-len", "2048", "--block-size", str(BLOCK_SIZE), "--no-warm-up", "--log-level", "warning"]
 
 
 @pytest.fixture(scope="module")
@@ -30,15 +24,8 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
-    with running_server([str(checkpoint), *SERVER_ARGS], timeout=300, log_path=tmp_path_factory.mktemp("server") / "server.log",
-                        env={"JAX_PLATFORMS": "cpu"}) as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=120, max_retries=0) as c:
+def client(checkpoint, tmp_path_factory):
+    with agent_server(checkpoint, MODEL, tmp_path_factory.mktemp("server")) as c:
         yield c
 
 
