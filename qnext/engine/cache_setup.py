@@ -50,7 +50,7 @@ def cache_sizes(cfg: ModelConfig, c: EngineConfig, max_model_len: int, activatio
     per device: under tensor parallelism each holds 1/tp of the heads (KV heads replicated where tp exceeds them)."""
     tp = c.tensor_parallel_size
     cfg = sharded_model_config(cfg, tp)
-    layout = cache_layout(cfg, as_dtype(c.dtype))
+    layout = cache_layout(cfg, as_dtype(c.dtype), c.num_mtp_kv_layers)
     hybrid = bool(cfg.linear_layer_ids)
     split = tp if cfg.attention_tensor_parallel else 1                # buffers split by head, or whole
     kv_per_block = layout.kv_bytes_per_block(c.block_size) // split     # per device
@@ -100,7 +100,7 @@ def host_tier_sizes(cfg: ModelConfig, c: EngineConfig, sizes: CacheSizes) -> tup
     """(host-tier KV blocks, host-tier snapshot slots). The host keeps whole (unsharded) blocks and rows."""
     if not c.enable_prefix_caching:
         return 0, 0
-    layout = cache_layout(sharded_model_config(cfg, c.tensor_parallel_size), as_dtype(c.dtype))
+    layout = cache_layout(sharded_model_config(cfg, c.tensor_parallel_size), as_dtype(c.dtype), c.num_mtp_kv_layers)
     block_bytes = layout.kv_bytes_per_block(c.block_size)
     row_bytes = layout.state_bytes_per_row if cfg.linear_layer_ids else 0
     budget = int(c.kv_offloading_size * GIB)
@@ -124,7 +124,7 @@ def make_cache(cfg: ModelConfig, c: EngineConfig, sizes: CacheSizes, mesh=None,
                                      enable_prefix_caching=c.enable_prefix_caching,
                                      hybrid=bool(cfg.linear_layer_ids), num_host_blocks=host_blocks,
                                      num_host_snapshot_slots=host_snapshots))
-    layout: CacheLayout = cache_layout(cfg, as_dtype(c.dtype))
+    layout: CacheLayout = cache_layout(cfg, as_dtype(c.dtype), c.num_mtp_kv_layers)
     allocate = functools.partial(allocate_cache_buffers, layout, num_blocks=sizes.num_blocks + 1,
                                  block_size=c.block_size,
                                  num_state_rows=num_state_rows(sizes.num_live_rows, sizes.num_snapshot_rows))
@@ -153,6 +153,8 @@ def prefix_cache_fingerprint(cfg: ModelConfig, c: EngineConfig, weights_digest: 
     weights' digest, the dtype, the block size and the cache layout's version."""
     cfg = sharded_model_config(cfg, c.tensor_parallel_size)      # its buffers' layout (replicated heads)
     config = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("backend", "gpu_kernels")}
+    if c.num_mtp_kv_layers:                      # the blocks also hold the MTP head's KV
+        config["mtp_kv_layers"] = c.num_mtp_kv_layers
     return cache_fingerprint(config, weights_digest, c.dtype, c.block_size)
 
 

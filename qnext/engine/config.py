@@ -7,6 +7,10 @@ import os
 from qnext.config import ModelConfig
 
 
+SPECULATIVE_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")   # vLLM's names for the same head
+MAX_SPECULATIVE_TOKENS = 7             # a verify window of k + 1 tokens stays within one 8-row group
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     enable_prefix_caching: bool = True
@@ -31,6 +35,8 @@ class EngineConfig:
     kv_offloading_size: float = 0.0           # GiB of host RAM for the cache's host tier (evicted KV blocks and
                                               # snapshots); 0: evictions are dropped (docs/cache.md)
     prefix_cache_dir: str | os.PathLike | None = None   # the prefix cache is written here at close(), read at start
+    speculative_config: dict | None = None    # vLLM's: {"method": "mtp", "num_speculative_tokens": k} drafts k
+                                              # tokens a step with the checkpoint's MTP head (docs/speculative.md)
     gpu_kernel_backend: str = "auto"          # Pallas GPU kernels: "auto" (Mosaic GPU on Hopper with JAX >= 0.10.2,
                                               # else Triton), "mosaic" or "triton" (pallas_kernels/backend_choice.py)
 
@@ -62,8 +68,46 @@ class EngineConfig:
             raise ValueError(f"kv_offloading_size must be a number of GiB >= 0, got {self.kv_offloading_size!r}")
         if self.gpu_kernel_backend not in ("auto", "mosaic", "triton"):
             raise ValueError(f"gpu_kernel_backend must be 'auto', 'mosaic' or 'triton', got {self.gpu_kernel_backend!r}")
+        self.num_speculative_tokens          # validates speculative_config
+        if self.speculative_config is not None:
+            if self.tensor_parallel_size > 1:
+                raise ValueError("speculative decoding (speculative_config) runs on one device: set "
+                                 "tensor_parallel_size=1 or drop speculative_config")
+            if self.num_speculative_tokens + 1 > self.block_size:
+                raise ValueError(f"a verify window of num_speculative_tokens + 1 = {self.num_speculative_tokens + 1} "
+                                 f"tokens must fit one KV block (block_size {self.block_size})")
+            if self.num_scheduler_steps > 1:
+                raise ValueError("speculative decoding already runs several tokens per call: use "
+                                 "num_scheduler_steps=1 with speculative_config")
         if self.prefix_cache_dir is not None and not isinstance(self.prefix_cache_dir, (str, os.PathLike)):
             raise ValueError(f"prefix_cache_dir must be a path, got {self.prefix_cache_dir!r}")
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """k, the draft tokens a speculative step verifies (0: speculative decoding is off)."""
+        spec = self.speculative_config
+        if spec is None:
+            return 0
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict like {{'method': 'mtp', 'num_speculative_tokens': 2}}, "
+                             f"got {spec!r}")
+        unknown = set(spec) - {"method", "num_speculative_tokens"}
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; it takes 'method' and "
+                             "'num_speculative_tokens'")
+        if spec.get("method", "mtp") not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method {spec.get('method')!r} is not supported; qnext drafts with "
+                             f"the checkpoint's MTP head: one of {SPECULATIVE_METHODS}")
+        k = spec.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config num_speculative_tokens must be an integer in "
+                             f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        return k
+
+    @property
+    def num_mtp_kv_layers(self) -> int:
+        """KV layers the cache holds beyond the model's: the MTP head's one attention layer when it drafts."""
+        return 1 if self.speculative_config is not None else 0
 
     def resolved_prefill_chunk(self, backend: str) -> int:
         """The option, or by backend: 32 on CPU (XLA:CPU runs the chunked delta rule's small per-chunk matmuls

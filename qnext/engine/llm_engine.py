@@ -67,10 +67,18 @@ class LLMEngine:
             params = shard_params(convert_checkpoint(model, cfg, dtype), cfg, make_mesh(tp))
         else:
             params = load_params(model, cfg, dtype)
+        mtp = None
+        if config.num_speculative_tokens:
+            from qnext.model.mtp import MTP_FILE, load_mtp_params
+            mtp = load_mtp_params(model, cfg, dtype)
+            if mtp is None:
+                raise ValueError(f"speculative_config {config.speculative_config} drafts with the checkpoint's MTP "
+                                 f"head, but {model} has none (no mtp.* tensors, no {MTP_FILE}); train one with "
+                                 "scripts/train_mtp.py or drop speculative_config")
         if config.prefix_cache_dir is not None and config.enable_prefix_caching:
             self._weights_digest = files_digest_memoized(checkpoint_files(model),
                                                          Path(config.prefix_cache_dir) / WEIGHTS_DIGEST_MEMO)
-        self._start(config, cfg, params, tokenizer)
+        self._start(config, cfg, params, tokenizer, mtp)
 
     @classmethod
     def from_params(cls, cfg: ModelConfig, params, tokenizer: Tokenizer | None = None, **options) -> "LLMEngine":
@@ -78,11 +86,18 @@ class LLMEngine:
         state): they are copied into the engine's own device buffers (cast to `dtype`, sharded under tensor
         parallelism), which `update_weights` later overwrites in place."""
         engine = cls.__new__(cls)
+        mtp = options.pop("mtp_params", None)
         config = EngineConfig(**options)
+        if config.num_speculative_tokens and mtp is None:
+            raise ValueError("speculative_config needs the MTP head's params: pass mtp_params= (qnext/model/mtp.py)")
         cfg = parallel_config(cfg, config.tensor_parallel_size, config.enable_expert_parallel,
                               config.attention_tensor_parallel)
         placed = place_params(params, cfg, config)
-        engine._start(config, cfg, placed, tokenizer)
+        if mtp is not None:
+            import jax
+            import jax.numpy as jnp
+            mtp = jax.tree.map(lambda x: jnp.asarray(x, as_dtype(config.dtype)), mtp)
+        engine._start(config, cfg, placed, tokenizer, mtp)
         # updates arrive as the source's arrays (or, under tensor parallelism, re-placed like the engine's own)
         engine.runner.prepare_weight_updates(params if config.tensor_parallel_size == 1 else None)
         return engine
@@ -100,7 +115,7 @@ class LLMEngine:
         self.scheduler.clear_prefix_cache()
         self._weights_digest = None          # a persisted cache is bound to the new weights (digest at close)
 
-    def _start(self, config: EngineConfig, cfg: ModelConfig, params, tokenizer: Tokenizer | None) -> None:
+    def _start(self, config: EngineConfig, cfg: ModelConfig, params, tokenizer: Tokenizer | None, mtp=None) -> None:
         cfg = cfg.with_backend()             # kernels and layouts chosen once, for every layer and step
         if cfg.backend == "gpu":             # Pallas Mosaic GPU or Triton, logged (pallas_kernels/backend_choice.py)
             from pallas_kernels.backend_choice import resolve_gpu_kernel_backend
@@ -114,6 +129,7 @@ class LLMEngine:
                               max_prefill_groups_extra=config.max_prefill_groups_extra)
         self.stats = EngineStats()
         self.runner = ModelRunner(cfg, params, config, buckets, self.stats)
+        self.runner.mtp = mtp
         self.cache_sizes = cache_sizes(cfg, config, self.max_model_len, self.runner.activation_bytes)
         persisted = config.prefix_cache_dir is not None and config.enable_prefix_caching
         fingerprint = self._cache_fingerprint() if persisted else None

@@ -50,6 +50,10 @@ class StepPlan:
     bucket: Bucket
     buffers: CacheBuffers           # lent by the cache manager; donated to the step
     multi: MultiStepPlan | None = None
+    # MTP speculative decoding (spec_step.py): every item verifies its drafts; `multi` then holds each item's
+    # window budget (steps: tokens it may keep), its snapshot capture and its stop ids
+    speculative: bool = False
+    drafts: list[list[int]] | None = None
 
 
 @dataclasses.dataclass
@@ -67,3 +71,4 @@ class StepResult:
     sampled: dict[str, SampledToken] = dataclasses.field(default_factory=dict)    # single step: request -> token
     tokens: np.ndarray | None = None                        # multi-step: [K, items] int32
     ran: np.ndarray | None = None                           # multi-step: [items] tokens each item ran
+    drafts: dict[str, list[int]] = dataclasses.field(default_factory=dict)   # MTP: request -> its next k drafts

@@ -15,9 +15,11 @@ from qnext.engine.multi_step import MultiStepInputs, make_multi_step
 from qnext.engine.plan import SampledToken, ScheduledSequence, StepPlan, StepResult
 from qnext.engine.sampler import first_argmax, sample
 from qnext.engine.sampling_inputs import SamplerInputBuilder, SamplingRow
+from qnext.engine.spec_step import ChainInputs, SpecInputs, make_mtp_catch_up, make_spec_step, verify_inputs, \
+    window_length
 from qnext.engine.stats import EngineStats
 from qnext.model.buckets import BucketTable
-from qnext.model.forward import forward
+from qnext.model.forward import forward, forward_with_hidden
 from qnext.model.step_inputs import Segment, build_step_inputs
 from qnext.model.tensor_parallel import local_config, shard_step, sharded_model_config
 from qnext.sampling_params import SamplingParams
@@ -26,11 +28,18 @@ from qnext.structured.thinking_budget import force_rows
 
 
 @functools.lru_cache(maxsize=None)
-def make_engine_step(cfg: ModelConfig, tensor_parallel_size: int = 1):
+def make_engine_step(cfg: ModelConfig, tensor_parallel_size: int = 1, with_hidden: bool = False):
     """The model step that also returns the greedy token of every logits row (first_argmax of the raw logits, the
     sampler's own greedy pick), so that a batch of plain greedy rows skips the sampler's dispatch (docs/engine.md).
     One per config, so engines of the same model share compilations; cache buffers are donated. With
-    tensor_parallel_size > 1 the params and buffers are the sharded ones and each device runs its shard."""
+    tensor_parallel_size > 1 the params and buffers are the sharded ones and each device runs its shard.
+    with_hidden (MTP drafting, one device): (logits, greedy, hidden [T, H] final-normed, buffers)."""
+    if with_hidden:
+        def step_with_hidden(params, buffers, inputs):
+            logits, hidden, buffers = forward_with_hidden(params, buffers, inputs, cfg)
+            return logits, first_argmax(logits), hidden, buffers
+
+        return jax.jit(step_with_hidden, donate_argnums=(1,))
     local = local_config(cfg, tensor_parallel_size)
 
     def step(params, buffers, inputs):
@@ -74,13 +83,19 @@ class ModelRunner:
         self.config = config
         self.buckets = buckets
         self.stats = stats
-        self._step = make_engine_step(cfg, config.tensor_parallel_size)
+        self.num_speculative_tokens = k = config.num_speculative_tokens
+        self.mtp = None                  # the MTP head's params when the engine drafts (LLMEngine sets them)
+        self._step = make_engine_step(cfg, config.tensor_parallel_size, with_hidden=k > 0)
+        self._spec_step = make_spec_step(cfg, k, config.block_size) if k else None
+        self._catch_up = make_mtp_catch_up(cfg, k, config.block_size) if k else None
         self._multi_step = (make_multi_step(cfg, config.num_scheduler_steps, config.block_size,
                                             config.tensor_parallel_size)
                             if config.num_scheduler_steps > 1 else None)
         self.sampler_inputs = SamplerInputBuilder(cfg.vocab_size, cfg.eos_token_ids, seed=config.seed)
 
     def execute(self, plan: StepPlan) -> StepResult:
+        if plan.speculative:
+            return self._execute_speculative(plan)
         return self._execute_multi(plan) if plan.multi is not None else self._execute_single(plan)
 
     def _execute_single(self, plan: StepPlan) -> StepResult:
@@ -88,13 +103,80 @@ class ModelRunner:
         inputs = build_step_inputs([it.segment for it in plan.items], plan.bucket.sizes,
                                    block_size=self.config.block_size, chunk=plan.bucket.chunk)
         t1 = time.perf_counter()
-        logits, greedy, buffers = self._step(self.params, plan.buffers, inputs)
+        hidden = None
+        if self._catch_up is not None:
+            logits, greedy, hidden, buffers = self._step(self.params, plan.buffers, inputs)
+        else:
+            logits, greedy, buffers = self._step(self.params, plan.buffers, inputs)
         bitmask = self._token_bitmask(plan)          # on the host while the device runs the step
         jax.block_until_ready(logits)
         t2 = time.perf_counter()
         result = StepResult(buffers, self._sample(plan, logits, greedy, bitmask))
-        self.stats.add_phases(layout=t1 - t0, device=t2 - t1, sample=time.perf_counter() - t2, model_steps=1)
+        t3 = time.perf_counter()
+        if hidden is not None:
+            result.buffers, result.drafts = self._draft_after(plan, inputs, hidden, result)
+        self.stats.add_phases(layout=t1 - t0, device=t2 - t1 + time.perf_counter() - t3, sample=t3 - t2,
+                              model_steps=1)
         return result
+
+    def _draft_after(self, plan: StepPlan, inputs, hidden, result: StepResult):
+        """The MTP head's slots for the positions the step computed, and k drafts for each item that sampled
+        (spec_step.make_mtp_catch_up). Returns (buffers, {request_id: drafts})."""
+        sizes = plan.bucket.sizes
+        next_ids = np.zeros(sizes.num_tokens, np.int32)
+        tables = np.zeros((sizes.num_logits, sizes.max_blocks), np.int32)
+        running = np.zeros(sizes.num_logits, bool)
+        flat = 0
+        for m, it in enumerate(plan.items):
+            n = len(it.segment.token_ids)
+            following = it.seq.token_slice(it.start + 1, it.end + 1)      # the prompt's, or nothing at the end
+            if it.samples:
+                following = following + [result.sampled[it.seq.request_id].token_id]
+            next_ids[flat:flat + n] = following[:n]
+            tables[m, :len(it.segment.block_table)] = it.segment.block_table
+            running[m] = it.samples
+            flat += n
+        drafts, buffers = self._catch_up(self.params, self.mtp, result.buffers, inputs, next_ids, hidden,
+                                         ChainInputs(block_table=tables, running=running))
+        drafts = np.asarray(drafts).tolist()
+        return buffers, {it.seq.request_id: drafts[m] for m, it in enumerate(plan.items) if it.samples}
+
+    def _execute_speculative(self, plan: StepPlan) -> StepResult:
+        """One verify pass over every row's window (spec_step.make_spec_step); item i keeps tokens[:ran[i], i]."""
+        t0 = time.perf_counter()
+        k, multi, m = self.num_speculative_tokens, plan.multi, len(plan.items)
+        d, length = plan.bucket.sizes.num_decode, window_length(k)
+        windows = [[it.segment.token_ids[0]] + list(drafts[:steps - 1])
+                   for it, drafts, steps in zip(plan.items, plan.drafts, multi.steps)]
+        inputs = verify_inputs(windows, [it.segment.read_row for it in plan.items],
+                               [it.segment.write_row for it in plan.items],
+                               [it.segment.block_table for it in plan.items], [it.start for it in plan.items],
+                               d, length, plan.bucket.sizes.max_blocks, self.config.block_size)
+        width = 4
+        while width < max(len(ids) for ids in multi.stop_ids):
+            width *= 2
+        spec = dict(steps=np.zeros(d, np.int32), drafts=np.zeros((d, k), np.int32),
+                    capture_at=np.full(d, -1, np.int32), capture_row=np.zeros(d, np.int32),
+                    stop_ids=np.full((d, width), -1, np.int32))
+        spec["steps"][:m] = multi.steps
+        spec["drafts"][:m] = plan.drafts
+        for i, (rows, ids) in enumerate(zip(multi.captures, multi.stop_ids)):
+            for step, row in rows.items():
+                spec["capture_at"][i], spec["capture_row"][i] = step, row
+            spec["stop_ids"][i, :len(ids)] = ids
+        rows = _sampling_rows(plan.items)
+        sampling = None if all(r.params.greedy for r in rows) else self.sampler_inputs.build(rows, d)[0]
+        t1 = time.perf_counter()
+        tokens, ran, drafts, buffers = self._spec_step(self.params, self.mtp, plan.buffers, inputs,
+                                                       SpecInputs(**spec), sampling)
+        tokens, ran, drafts = np.asarray(tokens)[:m].T, np.asarray(ran)[:m], np.asarray(drafts)[:m].tolist()
+        s = self.stats
+        s.num_spec_rows += m
+        s.num_draft_tokens += sum(steps - 1 for steps in multi.steps)
+        s.num_accepted_draft_tokens += int(ran.sum()) - m
+        self.stats.add_phases(layout=t1 - t0, device=time.perf_counter() - t1, model_steps=1)
+        return StepResult(buffers, tokens=tokens, ran=ran,
+                          drafts={it.seq.request_id: drafts[i] for i, it in enumerate(plan.items)})
 
     def _token_bitmask(self, plan: StepPlan) -> np.ndarray | None:
         """The token bitmask of the step's drawing rows (row j: the j-th token drawn, _drawing's order): a grammar's
@@ -214,6 +296,24 @@ class ModelRunner:
         analysis = self._step.lower(params, buffers, inputs).compile().memory_analysis()
         return int(getattr(analysis, "temp_size_in_bytes", 0) or 0) if analysis is not None else 0
 
+    def _warm_up_speculative(self, bucket, inputs, hidden, buffers: CacheBuffers) -> CacheBuffers:
+        """Compiles the MTP catch-up for the bucket and, for a decode bucket, the speculative step (greedy and
+        sampled) over its rows, on idle inputs that write nothing but the dummy block."""
+        s, k = bucket.sizes, self.num_speculative_tokens
+        chain = ChainInputs(block_table=np.zeros((s.num_logits, s.max_blocks), np.int32),
+                            running=np.zeros(s.num_logits, bool))
+        _, buffers = self._catch_up(self.params, self.mtp, buffers, inputs, np.zeros(s.num_tokens, np.int32),
+                                    hidden, chain)
+        if bucket.is_decode:
+            d = s.num_decode
+            verify = verify_inputs([], [], [], [], [], d, window_length(k), s.max_blocks, self.config.block_size)
+            _, _, _, buffers = self._spec_step(self.params, self.mtp, buffers, verify, _idle_spec_inputs(d, k), None)
+            tensors, _ = self.sampler_inputs.build([SamplingRow("warm-up", _WARM_UP_SAMPLING[1], [0], [], 0)], d)
+            self.sampler_inputs.free("warm-up")
+            _, _, _, buffers = self._spec_step(self.params, self.mtp, buffers, verify, _idle_spec_inputs(d, k),
+                                               tensors)
+        return buffers
+
     def warm_up(self, buffers: CacheBuffers, on_bucket=None) -> CacheBuffers:
         """Compiles the step for every bucket (and the common sampler variants) on idle inputs that write nothing
         but the dummy block and row; returns the buffers. `on_bucket()` is called after each bucket."""
@@ -224,7 +324,11 @@ class ModelRunner:
             if s.num_chunks:
                 segments.append(Segment([0] * 2, 0, [0], -1, 0))
             inputs = build_step_inputs(segments, s, block_size=self.config.block_size, chunk=bucket.chunk)
-            logits, _, buffers = self._step(self.params, buffers, inputs)
+            if self._catch_up is not None:
+                logits, _, hidden, buffers = self._step(self.params, buffers, inputs)
+                buffers = self._warm_up_speculative(bucket, inputs, hidden, buffers)
+            else:
+                logits, _, buffers = self._step(self.params, buffers, inputs)
             if self._multi_step is not None and bucket.is_decode:     # decode buckets also run multi-step
                 idle = MultiStepInputs.idle(self.config.num_scheduler_steps, s.num_decode)
                 _, _, buffers = self._multi_step(self.params, buffers, inputs, idle, None)   # runs no step
@@ -239,6 +343,12 @@ class ModelRunner:
             if on_bucket is not None:
                 on_bucket()
         return buffers
+
+
+def _idle_spec_inputs(d: int, k: int) -> SpecInputs:
+    return SpecInputs(steps=np.zeros(d, np.int32), drafts=np.zeros((d, k), np.int32),
+                      capture_at=np.full(d, -1, np.int32), capture_row=np.zeros(d, np.int32),
+                      stop_ids=np.full((d, 4), -1, np.int32))
 
 
 def _update_signature(params):

@@ -88,6 +88,20 @@ def apply_token_bitmask(logits, bitmask):
     return jnp.where(allowed, logits, -jnp.inf)
 
 
+def filter_logits(x, t: SamplingTensors):
+    """Temperature (greedy rows: 1), top-k / top-p, min-p: the logits a row draws from (-inf where filtered)."""
+    x = x / jnp.where(t.temperature < GREEDY_TEMPERATURE, 1.0, t.temperature)[:, None]
+    if t.top_k is not None:
+        x = apply_top_k_top_p(x, t.top_k, t.top_p)
+    return apply_min_p(x, t.min_p)
+
+
+def row_keys(t: SamplingTensors, offset=0):
+    """Each row's key for the token at output position + offset (what `sample` draws that token with)."""
+    keys = jax.random.wrap_key_data(t.key_data, impl=_KEY_IMPL)
+    return jax.vmap(jax.random.fold_in)(keys, t.position + offset)
+
+
 def first_argmax(x):
     """jnp.argmax over the last axis (first index of the maximum) as two plain reductions: XLA:CPU's fused
     (value, index) reduce is ~2x slower over a vocabulary row."""
@@ -115,16 +129,12 @@ def sample(logits, tensors: SamplingTensors, num_logprobs: int | None = 0) -> Sa
     greedy_tokens = first_argmax(x)
 
     is_greedy = t.temperature < GREEDY_TEMPERATURE
-    x = x / jnp.where(is_greedy, 1.0, t.temperature)[:, None]
-    if t.top_k is not None:
-        x = apply_top_k_top_p(x, t.top_k, t.top_p)
-    x = apply_min_p(x, t.min_p)
+    x = filter_logits(x, t)
 
     if t.key_data is None:                       # an all-greedy batch draws no noise
         tokens = greedy_tokens.astype(jnp.int32)
     else:
-        keys = jax.random.wrap_key_data(t.key_data, impl=_KEY_IMPL)
-        keys = jax.vmap(jax.random.fold_in)(keys, t.position)
+        keys = row_keys(t)
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)
         sampled = first_argmax(x + gumbel)
         tokens = jnp.where(is_greedy, greedy_tokens, sampled).astype(jnp.int32)

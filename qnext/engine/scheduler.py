@@ -77,7 +77,11 @@ class Scheduler:
         work = self._pick()
         if not work:
             return None
-        multi = self._multi_step_plan(work) if self._multi_step_ok(work) else None
+        speculative = self._speculative_ok(work)
+        if speculative:
+            multi = self._multi_step_plan(work, self.config.num_speculative_tokens + 1)
+        else:
+            multi = self._multi_step_plan(work) if self._multi_step_ok(work) else None
         rows = {} if multi is not None else self._reserve_capture_rows(work)
         items = []
         for w in work:
@@ -89,7 +93,8 @@ class Scheduler:
             samples = w.end == w.seq.num_tokens
             items.append(ScheduledSequence(w.seq, segment, samples, list(w.seq.pending_forks) if samples else []))
         bucket = self.buckets.bucket_for([it.segment for it in items])
-        return StepPlan(items, bucket, self.lend_buffers(), multi)
+        drafts = [list(w.seq.draft_token_ids) for w in work] if speculative else None
+        return StepPlan(items, bucket, self.lend_buffers(), multi, speculative, drafts)
 
     def _pick(self) -> list[_Work]:
         work: list[_Work] = []
@@ -177,11 +182,21 @@ class Scheduler:
                    and stateless(w.seq.params, len(w.seq.output_token_ids), self.eos_token_ids, self.vocab_size)
                    for w in work)
 
-    def _multi_step_plan(self, work: list[_Work]) -> MultiStepPlan:
-        """Each row runs at most what its max_tokens and max_model_len leave and what its KV blocks hold (extended
-        here when the cache has blocks free, never by preempting); block boundaries inside its window capture
-        into its decode tracking row."""
-        k_max, bs, cache = self.config.num_scheduler_steps, self.config.block_size, self.cache
+    def _speculative_ok(self, work: list[_Work]) -> bool:
+        """An MTP speculative step runs when every item decodes, holds its k drafts, and could run multi-step
+        (its next tokens depend only on its logits and position; no stop strings)."""
+        k = self.config.num_speculative_tokens
+        return bool(k) and all(len(w.seq.draft_token_ids) == k and not w.seq.pending_forks for w in work) and all(
+            w.num_tokens == 1 and w.end == w.seq.num_tokens and w.start >= len(w.seq.prompt_token_ids)
+            and not w.seq.params.stop
+            and stateless(w.seq.params, len(w.seq.output_token_ids), self.eos_token_ids, self.vocab_size)
+            for w in work)
+
+    def _multi_step_plan(self, work: list[_Work], window: int | None = None) -> MultiStepPlan:
+        """Each row runs at most `window` tokens (num_scheduler_steps; a speculative step's k + 1), what its
+        max_tokens and max_model_len leave and what its KV blocks hold (extended here when the cache has blocks
+        free, never by preempting); block boundaries inside its window capture into its decode tracking row."""
+        k_max, bs, cache = window or self.config.num_scheduler_steps, self.config.block_size, self.cache
         plan = MultiStepPlan([], [], [])
         for w in work:
             seq, p, rid = w.seq, w.seq.params, w.seq.request_id
@@ -221,6 +236,7 @@ class Scheduler:
                 stop = append_tokens(seq, result.tokens[:ran, i].tolist(), self.eos_token_ids, self.max_model_len)
                 seq.num_computed_tokens = seq.num_tokens - 1     # the last token is sampled, not yet run
                 produced = True
+            seq.draft_token_ids = result.drafts.get(seq.request_id, [])
             self.cache.commit(seq.request_id, seq.token_view, seq.num_computed_tokens)
             forked = self._fork(seq, it.forks, result) if it.forks else []
             if stop is not None:
@@ -312,6 +328,7 @@ class Scheduler:
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

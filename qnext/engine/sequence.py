@@ -50,6 +50,9 @@ class Sequence:
     # `pending_forks` until that step, which draws their first tokens from the same logits and forks them.
     index: int = 0
     group: list["Sequence"] | None = None
+    # MTP speculative decoding: the head's drafts for the tokens after the last one (valid right after the step
+    # that returned them; [] when that step drafted nothing for this sequence)
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)
     pending_forks: list["Sequence"] = dataclasses.field(default_factory=list)
 
     @property

@@ -69,3 +69,47 @@ def accept_sampled(draft_tokens, draft_probs, target_probs, key) -> Acceptance:
     residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_stop)   # p == q: any draw of p
     last = jax.random.categorical(r_key, jnp.log(residual), axis=-1).astype(jnp.int32)
     return Acceptance(_emit(draft_tokens, accepted, last), accepted, accepted + 1)
+
+
+def accept_rows(target_logits, draft_tokens, tensors=None) -> Acceptance:
+    """The engine's acceptance for a batch of rows whose drafts are the MTP head's greedy picks (a one-hot draft
+    distribution q = [d]). target_logits [N, k + 1, V] raw float32; draft_tokens [N, k]; tensors: the rows'
+    SamplingTensors (sampler.py; None: every row greedy). Greedy rows: accept_greedy. Sampled rows: rejection
+    sampling against q = [d]: d_i is accepted with probability p_i(d_i); a rejection at i draws from p_i without
+    d_i (max(0, p - q), renormalised); all accepted draws from p_{k+1} (p: the row's filtered distribution,
+    temperature / top-k / top-p / min-p as `sample`). The random numbers of row r at window position i come from
+    the row's key at output position + i (as `sample`), so a request's tokens depend on its seed and history only.
+    """
+    from qnext.engine.sampler import GREEDY_TEMPERATURE, filter_logits, first_argmax, row_keys
+
+    n, width, v = target_logits.shape
+    k = width - 1
+    target = first_argmax(target_logits)                                   # [N, k + 1]
+    greedy_accepted = _first_false(draft_tokens == target[:, :-1])
+    greedy_last = jnp.take_along_axis(target, greedy_accepted[:, None], axis=1)[:, 0]
+    if tensors is None or tensors.key_data is None:
+        return Acceptance(_emit(draft_tokens, greedy_accepted, greedy_last), greedy_accepted, greedy_accepted + 1)
+
+    per_position = tensors._replace(**{
+        f: jnp.repeat(getattr(tensors, f), width, axis=0)
+        for f in ("temperature", "min_p", "key_data", "position", "top_k", "top_p") if getattr(tensors, f) is not None})
+    per_position = per_position._replace(position=per_position.position + jnp.tile(jnp.arange(width), n))
+    filtered = filter_logits(target_logits.reshape(n * width, v), per_position)
+    probs = jax.nn.softmax(filtered, axis=-1).reshape(n, width, v)
+    keys = row_keys(per_position)                                          # [N * (k + 1)]
+    u_keys = jax.vmap(lambda key: jax.random.fold_in(key, 1))(keys)
+    draw_keys = jax.vmap(lambda key: jax.random.fold_in(key, 2))(keys).reshape(n, width)
+    u = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(u_keys).reshape(n, width)[:, :k]
+    p_d = jnp.take_along_axis(probs[:, :k], draft_tokens[..., None], axis=-1)[..., 0]
+    accepted = _first_false(u < p_d)
+    rows = jnp.arange(n)
+    p_stop = probs[rows, accepted]                                         # [N, V]
+    d_stop = jnp.concatenate([draft_tokens, jnp.full((n, 1), -1, draft_tokens.dtype)], axis=1)[rows, accepted]
+    residual = jnp.where(jnp.arange(v)[None, :] == d_stop[:, None], 0.0, p_stop)
+    residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p_stop)   # p(d) = 1: never rejected
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(draw_keys[rows, accepted])
+    last = first_argmax(jnp.log(residual) + gumbel)
+    greedy = tensors.temperature < GREEDY_TEMPERATURE
+    accepted = jnp.where(greedy, greedy_accepted, accepted)
+    last = jnp.where(greedy, greedy_last, last)
+    return Acceptance(_emit(draft_tokens, accepted, last), accepted, accepted + 1)

@@ -44,6 +44,9 @@ class EngineStats:
     postprocess_seconds: float = 0.0   # host: commit, append, stop checks, detokenising, finishing
     structured_mask_seconds: float = 0.0   # host: structured-output token bitmasks (overlaps the device step)
     num_structured_masks: int = 0    # rows masked by a grammar, summed over steps
+    num_spec_rows: int = 0           # MTP: rows of speculative steps (each verifies its drafts)
+    num_draft_tokens: int = 0        # drafts verified
+    num_accepted_draft_tokens: int = 0   # drafts kept
     compilations_at_start: int = dataclasses.field(default_factory=compilations)
 
     def add_phases(self, *, layout: float = 0.0, device: float = 0.0, sample: float = 0.0,
@@ -59,6 +62,11 @@ class EngineStats:
         return compilations() - self.compilations_at_start
 
     @property
+    def acceptance_length(self) -> float:
+        """Tokens a speculative row keeps per verify pass (1 + accepted drafts), over every speculative row."""
+        return 0.0 if not self.num_spec_rows else 1.0 + self.num_accepted_draft_tokens / self.num_spec_rows
+
+    @property
     def host_overhead(self) -> float:
         """Share of the step's wall time spent outside the jitted step."""
         return 0.0 if self.step_seconds == 0 else 1.0 - self.device_seconds / self.step_seconds
@@ -66,4 +74,5 @@ class EngineStats:
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out.pop("compilations_at_start")
-        return {**out, "num_compilations": self.num_compilations, "host_overhead": self.host_overhead}
+        return {**out, "num_compilations": self.num_compilations, "host_overhead": self.host_overhead,
+                "acceptance_length": self.acceptance_length}

@@ -7,9 +7,10 @@ from cache.device_buffers import CacheBuffers, CacheLayout, allocate_cache_buffe
 from qnext.config import ModelConfig
 
 
-def cache_layout(cfg: ModelConfig, dtype) -> CacheLayout:
+def cache_layout(cfg: ModelConfig, dtype, extra_kv_layers: int = 0) -> CacheLayout:
+    """extra_kv_layers: KV layers after the model's own (the MTP head's, when it drafts), paged like them."""
     return CacheLayout(
-        num_kv_layers=len(cfg.full_layer_ids), num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+        num_kv_layers=len(cfg.full_layer_ids) + extra_kv_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
         num_state_layers=len(cfg.linear_layer_ids), conv_width=cfg.linear_conv_kernel_dim, conv_dim=cfg.conv_dim,
         num_v_heads=cfg.linear_num_value_heads, k_head_dim=cfg.linear_key_head_dim,
         v_head_dim=cfg.linear_value_head_dim, dtype=np.dtype(dtype).name)

@@ -17,8 +17,11 @@ from qnext.model.step_inputs import StepInputs
 from qnext.model.tensor_parallel import all_reduce, gather_vocab, mixer_all_reduce
 
 
-def forward(params, buffers: CacheBuffers, inputs: StepInputs, cfg: ModelConfig):
-    """Returns (logits [M, V] float32 for inputs.logits_index, updated buffers)."""
+def decoder_stack(params, buffers: CacheBuffers, inputs: StepInputs, cfg: ModelConfig, linear_layer=None):
+    """The decoder layers over the flat batch: (x [T, H] before the final norm, updated buffers). KV layers of the
+    buffers past the model's own (the MTP head's) pass through untouched. `linear_layer(p, h, conv, recurrent,
+    inputs, cfg) -> (out, conv, recurrent)` replaces the Gated DeltaNet core (the verify step's per-position form)."""
+    linear_layer = linear_layer or gated_deltanet
     x = params["embed"][inputs.token_ids]
     kv, conv, recurrent = list(buffers.kv), list(buffers.conv), list(buffers.recurrent)
     kv_i = lin_i = 0
@@ -26,8 +29,8 @@ def forward(params, buffers: CacheBuffers, inputs: StepInputs, cfg: ModelConfig)
         with jax.named_scope(f"layer_{i}"):
             h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
             if cfg.is_linear_layer(i):
-                out, conv[lin_i], recurrent[lin_i] = gated_deltanet(p["attn"], h, conv[lin_i], recurrent[lin_i],
-                                                                    inputs, cfg)
+                out, conv[lin_i], recurrent[lin_i] = linear_layer(p["attn"], h, conv[lin_i], recurrent[lin_i],
+                                                                  inputs, cfg)
                 lin_i += 1
             else:
                 out, kv[kv_i] = full_attention(p["attn"], h, kv[kv_i], inputs, cfg)
@@ -35,10 +38,27 @@ def forward(params, buffers: CacheBuffers, inputs: StepInputs, cfg: ModelConfig)
             x = x + mixer_all_reduce(out, cfg)        # the sum of the devices' partial outputs (tensor parallel)
             mlp_out = feed_forward(p["mlp"], rms_norm(x, p["post_attn_norm"], cfg.rms_norm_eps), cfg, i)
             x = x + all_reduce(mlp_out, cfg)
-    h = rms_norm(x[inputs.logits_index], params["final_norm"], cfg.rms_norm_eps)
+    return x, CacheBuffers(kv=tuple(kv), conv=tuple(conv), recurrent=tuple(recurrent))
+
+
+def lm_logits(params, h, cfg: ModelConfig):
+    """Final-normed hidden states [M, H] -> logits [M, V] float32."""
     logits = linear(h, params["lm_head"], preferred_element_type=jnp.float32)
-    logits = gather_vocab(logits, cfg)                # tensor parallel: each device computed its part of the vocab
-    return logits, CacheBuffers(kv=tuple(kv), conv=tuple(conv), recurrent=tuple(recurrent))
+    return gather_vocab(logits, cfg)                  # tensor parallel: each device computed its part of the vocab
+
+
+def forward(params, buffers: CacheBuffers, inputs: StepInputs, cfg: ModelConfig):
+    """Returns (logits [M, V] float32 for inputs.logits_index, updated buffers)."""
+    x, buffers = decoder_stack(params, buffers, inputs, cfg)
+    h = rms_norm(x[inputs.logits_index], params["final_norm"], cfg.rms_norm_eps)
+    return lm_logits(params, h, cfg), buffers
+
+
+def forward_with_hidden(params, buffers: CacheBuffers, inputs: StepInputs, cfg: ModelConfig):
+    """forward, plus the final-normed hidden state of every flat token [T, H] (what the MTP head drafts from)."""
+    x, buffers = decoder_stack(params, buffers, inputs, cfg)
+    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return lm_logits(params, hidden[inputs.logits_index], cfg), hidden, buffers
 
 
 @functools.lru_cache(maxsize=None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -18,6 +19,17 @@ from qnext.engine.config import EngineConfig
 logger = logging.getLogger("qnext.server")
 
 DEMO_MODEL_NAME = "qnext-tiny-demo"
+
+
+def json_object(text: str) -> dict:
+    """A flag's JSON object value (vLLM's form: --speculative-config '{"method": "mtp", ...}')."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def engine_option_flags(parser: argparse.ArgumentParser) -> list[str]:
@@ -32,7 +44,8 @@ def engine_option_flags(parser: argparse.ArgumentParser) -> list[str]:
         if kind == "bool":
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
-            convert = int if "int" in kind else float if "float" in kind else str
+            convert = (json_object if "dict" in kind else int if "int" in kind else float if "float" in kind
+                       else str)
             group.add_argument(flag, type=convert, default=None, metavar=field.name.upper(), help=help_text)
         names.append(field.name)
     return names

@@ -1,0 +1,137 @@
+"""MTP speculative decoding's two jitted calls (docs/speculative.md).
+
+The speculative step (`make_spec_step`), for a batch of decoding rows that each hold k drafts d_1..d_k from the MTP
+head: one target pass over the window [x_{N-1}, d_1..d_k] of every row (qnext/model/verify.py: every position's
+logits, the per-position recurrent and conv states kept aside) -> the acceptance rule (spec_decode.accept_rows) ->
+each row keeps `ran` tokens: its accepted drafts and one more, cut at a stop token id and at the row's budget
+(max_tokens, max_model_len, the blocks it holds) -> the state after the last kept position goes to the live row,
+and a block boundary reached at a kept position is captured into its snapshot row -> the MTP head runs over the
+same window (slot N-1+j takes the kept token j and the target's hidden state at N-1+j) and drafts the next k
+tokens from its slot at the last kept position. The KV the target wrote for rejected positions lies past the
+sequence's length, is never read, and the next step overwrites it.
+
+The catch-up (`make_mtp_catch_up`), after any other step of an engine that drafts: the head's slots for the
+positions that step computed (the next token of each: the prompt's, or the token just sampled), and k drafts for
+every row that sampled. So the head's KV always covers the positions the target has computed, whichever step
+computed them, and prefix caching, preemption and the host tier see one more KV layer and nothing else.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from qnext.config import ModelConfig
+from qnext.engine.sampler import SamplingTensors
+from qnext.engine.spec_decode import accept_rows
+from qnext.model.forward import decoder_stack, lm_logits
+from qnext.model.mtp_step import draft_chain, mtp_layer, replace_kv
+from qnext.model.norms import rms_norm
+from qnext.model.step_inputs import RowGroups, StepInputs
+from qnext.model.verify import commit_positions, verify_deltanet
+
+
+def window_length(num_speculative_tokens: int) -> int:
+    """Rows of a verify window: k + 1 tokens rounded up to a power of two (the GPU kernels' group shapes)."""
+    return 1 << num_speculative_tokens.bit_length()
+
+
+@struct.dataclass
+class SpecInputs:
+    """Per row of a speculative step over D rows."""
+
+    steps: jnp.ndarray        # [D] int32 tokens the row may keep (its window's valid tokens; 0: padding row)
+    drafts: jnp.ndarray       # [D, k] int32 the row's drafts (the window's tokens 1..k)
+    capture_at: jnp.ndarray   # [D] int32 window position whose end state completes a block (-1: none)
+    capture_row: jnp.ndarray  # [D] int32 its snapshot row (0: none)
+    stop_ids: jnp.ndarray     # [D, S] int32 token ids that end the row (-1: unused)
+
+
+@struct.dataclass
+class ChainInputs:
+    """Where each logits row of a catch-up drafts: its sequence's block table, and whether it drafts at all."""
+
+    block_table: jnp.ndarray  # [M, MB] int32
+    running: jnp.ndarray      # [M] bool
+
+
+def verify_inputs(windows, read_rows, write_rows, tables, starts, rows: int, length: int, max_blocks: int,
+                  block_size: int) -> StepInputs:
+    """The verify layout (qnext/model/verify.py) on the host: row i's window tokens windows[i] at positions
+    starts[i].., its block table, state rows; `rows` x `length` flat tokens."""
+    t = rows * length
+    token_ids, positions, slots = np.zeros(t, np.int32), np.zeros(t, np.int32), np.zeros(t, np.int32)
+    g = dict(token_index=np.arange(t, dtype=np.int32).reshape(rows, length), length=np.zeros(rows, np.int32),
+             block_table=np.zeros((rows, max_blocks), np.int32), kv_len=np.zeros(rows, np.int32),
+             is_first=np.ones(rows, bool), is_last=np.ones(rows, bool), read_row=np.full(rows, -1, np.int32),
+             write_row=np.zeros(rows, np.int32), capture_row=np.zeros(rows, np.int32))
+    for i, (window, start, table) in enumerate(zip(windows, starts, tables)):
+        n = len(window)
+        lo = i * length
+        pos = np.arange(start, start + n)
+        table = np.asarray(table, np.int64)
+        token_ids[lo:lo + n] = window
+        positions[lo:lo + n] = pos
+        slots[lo:lo + n] = table[pos // block_size] * block_size + pos % block_size
+        g["length"][i], g["kv_len"][i] = n, start + n
+        g["block_table"][i, :len(table)] = table
+        g["read_row"][i], g["write_row"][i] = read_rows[i], write_rows[i]
+    empty = RowGroups(token_index=np.zeros((0, 1), np.int32), length=np.zeros(0, np.int32),
+                      block_table=np.zeros((0, max_blocks), np.int32), kv_len=np.zeros(0, np.int32),
+                      is_first=np.zeros(0, bool), is_last=np.zeros(0, bool), read_row=np.zeros(0, np.int32),
+                      write_row=np.zeros(0, np.int32), capture_row=np.zeros(0, np.int32))
+    return StepInputs(token_ids=token_ids, positions=positions, slot_mapping=slots, decode=empty,
+                      prefill=RowGroups(**g), token_source=np.arange(t, dtype=np.int32),
+                      logits_index=np.arange(rows, dtype=np.int32) * length)
+
+
+@functools.lru_cache(maxsize=None)
+def make_spec_step(cfg: ModelConfig, num_speculative_tokens: int, block_size: int):
+    """jit(params, mtp, buffers, inputs, spec, sampling) -> (tokens [D, k + 1] int32, ran [D] int32 tokens each
+    row keeps, next drafts [D, k] int32, buffers); sampling: the rows' SamplingTensors, or None when every row is
+    greedy. Cache buffers are donated."""
+    k = num_speculative_tokens
+
+    def run(params, mtp, buffers, inputs: StepInputs, spec: SpecInputs, sampling: SamplingTensors | None):
+        pre = inputs.prefill
+        d, length = pre.token_index.shape
+        x, pending = decoder_stack(params, buffers, inputs, cfg, linear_layer=verify_deltanet)
+        hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)                 # [D * L, H]
+        window = hidden.reshape(d, length, -1)[:, :k + 1]
+        logits = lm_logits(params, window.reshape(d * (k + 1), -1), cfg).reshape(d, k + 1, -1)
+        acc = accept_rows(logits, spec.drafts, sampling)
+        stops = jnp.any(acc.tokens[:, :, None] == spec.stop_ids[:, None, :], axis=-1)   # [D, k + 1]
+        first_stop = jnp.min(jnp.where(stops, jnp.arange(k + 1)[None, :], k + 1), axis=1)
+        ran = jnp.minimum(jnp.minimum(acc.num_emitted, spec.steps), first_stop + 1)
+        keep = ran - 1
+        buffers = commit_positions(pending, keep, pre.write_row, spec.capture_at, spec.capture_row)
+
+        # the head over the window: slot j takes kept token j (later slots are provisional, overwritten later)
+        next_ids = jnp.concatenate([acc.tokens, jnp.repeat(acc.tokens[:, -1:], length - k - 1, axis=1)], axis=1)
+        own, kv = mtp_layer(params, mtp, buffers.kv[-1], next_ids.reshape(-1), hidden, inputs, cfg)
+        last = jnp.arange(d) * length + jnp.maximum(keep, 0)
+        drafts, kv = draft_chain(params, mtp, kv, lm_logits(params, own[last], cfg), own[last],
+                                 inputs.positions[last], pre.block_table, ran > 0, k, cfg, block_size, 1)
+        return acc.tokens, ran, drafts, replace_kv(buffers, kv)
+
+    return jax.jit(run, donate_argnums=(2,))
+
+
+@functools.lru_cache(maxsize=None)
+def make_mtp_catch_up(cfg: ModelConfig, num_speculative_tokens: int, block_size: int):
+    """jit(params, mtp, buffers, inputs, next_ids [T], hidden [T, H], chain) -> (drafts [M, k] int32, buffers):
+    the head's slots for every flat token of a step the target just ran (inputs: that step's), next_ids the token
+    after each; drafts from each logits row whose chain.running is set. Cache buffers are donated."""
+
+    def run(params, mtp, buffers, inputs: StepInputs, next_ids, hidden, chain: ChainInputs):
+        own, kv = mtp_layer(params, mtp, buffers.kv[-1], next_ids, hidden, inputs, cfg)
+        index = inputs.logits_index
+        drafts, kv = draft_chain(params, mtp, kv, lm_logits(params, own[index], cfg), own[index],
+                                 inputs.positions[index], chain.block_table, chain.running, num_speculative_tokens,
+                                 cfg, block_size, 1)
+        return drafts, replace_kv(buffers, kv)
+
+    return jax.jit(run, donate_argnums=(2,))
