@@ -1,18 +1,21 @@
-"""What MTP speculative decoding can buy on this machine: the measured cost of a verify step (k + 1 new tokens of one
-sequence, the shape the engine's step runs them in today) against a plain decode step at batch 1, and the speedup
-expected from an acceptance length A (tokens emitted per verify round, scripts/train_mtp.py measures it):
+"""MTP speculative decoding against plain decoding, side by side in one run: greedy decode tokens/s at batch 1 and 16
+on a bench checkpoint whose MTP head scripts/train_mtp.py trained, the acceptance length the engine reached, and the
+speedup that acceptance length should give on this machine from the measured step costs:
 
-    speedup(A) = A * t_decode / (t_verify(k + 1) + k * t_draft)
+    expected speedup = A * t_decode / t_spec        A: tokens a verify pass keeps (1 + accepted drafts)
+                                                    t_decode: a plain decode step; t_spec: a speculative step
+                                                    (verify pass over k + 1 positions + the head's k drafts)
 
-t_draft is estimated from t_decode scaled by the MTP head's share of the weights a decode step reads (one
-full-attention layer with the model's MLP, fc, and the shared lm_head, against the whole model): batch-1 decode is
-bandwidth-bound, so its time follows the bytes read.
+Prompts are random tokens drawn apart from train_mtp.py's (held out); both engines must emit the same tokens (greedy),
+which the bench checks. Runs alternate plain / MTP and the best of --repeats is kept.
 
-    python scripts/bench_mtp.py [--preset small] [--k 2] [--acceptance-length 1.6]
+    python scripts/train_mtp.py --preset small          # once: trains and saves the head into the checkpoint
+    python scripts/bench_mtp.py [--preset small] [--k 2] [--batches 1,16] [--json-out FILE]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -25,84 +28,100 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small")
+    p.add_argument("--model", help="checkpoint directory with an MTP head (default: the --preset bench checkpoint)")
     p.add_argument("--out-dir", default="bench_out")
-    p.add_argument("--k", type=int, default=2)
-    p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--decode-steps", type=int, default=48)
-    p.add_argument("--acceptance-length", type=float, default=None, help="measured A to evaluate (optional)")
+    p.add_argument("--k", type=int, default=2, help="num_speculative_tokens")
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--prompt-len", type=int, default=16, help="as train_mtp.py's prompts")
+    p.add_argument("--output-len", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--json-out", type=Path)
     return p.parse_args(argv)
 
 
-def timed_steps(llm, prompt: list[int], max_tokens: int) -> tuple[list[float], list[float]]:
-    """(prefill step seconds, decode step seconds) of one request run alone, step by step."""
+def run(llm, prompts: list[list[int]], output_len: int) -> dict:
+    """Greedy generation of every prompt, step by step: wall time, tokens, and each step's time by kind."""
     from qnext import SamplingParams
 
-    engine = llm.engine
-    engine.add_request("probe", {"prompt_token_ids": prompt},
-                       SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    seq = engine.requests["probe"]
-    prefill, decode = [], []
+    engine, stats = llm.engine, llm.engine.stats
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    ids = [f"b{time.perf_counter_ns()}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    steps = {"decode": [], "spec": [], "other": []}
+    outputs = {}
+    start = time.perf_counter()
     while engine.has_unfinished_requests():
-        in_prefill = seq.num_computed_tokens < len(prompt) - 1
+        rows, prefill = stats.num_spec_rows, stats.num_prefill_tokens
         t0 = time.perf_counter()
-        engine.step()
-        (prefill if in_prefill else decode).append(time.perf_counter() - t0)
-    engine.release("probe")
-    return prefill, decode
-
-
-def head_share(cfg) -> float:
-    """The MTP head's weight bytes over the model's (both count the lm_head once)."""
-    from qnext.model.weights import param_specs
-
-    specs = param_specs(cfg, "float32")
-    sizes = lambda tree: [int(np.prod(s.shape)) for s in _leaves(tree)]  # noqa: E731
-    layers = specs["layers"]
-    last_full = max(i for i in range(cfg.num_hidden_layers) if not cfg.is_linear_layer(i))
-    head = sum(sizes(layers[last_full])) + 2 * cfg.hidden_size ** 2 + int(np.prod(specs["lm_head"].shape))
-    return head / sum(sizes(specs))
-
-
-def _leaves(tree):
-    if isinstance(tree, dict):
-        for v in tree.values():
-            yield from _leaves(v)
-    elif isinstance(tree, (tuple, list)):
-        for v in tree:
-            yield from _leaves(v)
-    else:
-        yield tree
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+        dt = time.perf_counter() - t0
+        kind = "spec" if stats.num_spec_rows > rows else "other" if stats.num_prefill_tokens > prefill else "decode"
+        steps[kind].append(dt)
+    wall = time.perf_counter() - start
+    for rid in ids:
+        engine.release(rid)
+    tokens = [outputs[rid] for rid in ids]
+    return {"wall": wall, "tokens": tokens, "tok_s": sum(map(len, tokens)) / wall,
+            "steps": {k: float(np.median(v)) if v else None for k, v in steps.items()},
+            "num_steps": {k: len(v) for k, v in steps.items()}}
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from qnext import LLM
     from qnext.bench.presets import bench_checkpoint
+    from qnext.config import ModelConfig
+    from qnext.engine.llm_engine import freeze_startup_heap
+    from qnext.model.mtp import load_mtp_params
 
-    path = bench_checkpoint(args.preset, args.out_dir)
-    k = args.k
-    # a step budget of k + 1 tokens: the prompt is prefilled k + 1 tokens a step, each step a verify-shaped step
-    llm = LLM(path, max_num_seqs=1, max_num_batched_tokens=k + 1, enable_prefix_caching=False,
-              max_model_len=args.prompt_len + args.decode_steps + 8)
-    cfg = llm.engine.model_config
-    rng = np.random.default_rng(0)
-    timed_steps(llm, rng.integers(3, cfg.vocab_size, args.prompt_len).tolist(), 8)          # compile
-    prefill, decode = timed_steps(llm, rng.integers(3, cfg.vocab_size, args.prompt_len).tolist(), args.decode_steps)
-    t_verify, t_decode = float(np.median(prefill[2:])), float(np.median(decode[2:]))
-    t_draft = head_share(cfg) * t_decode
-    print(f"{args.preset}: batch 1, context ~{args.prompt_len} tokens; medians of {len(prefill) - 2} verify-shaped "
-          f"and {len(decode) - 2} decode steps")
-    print(f"decode step {t_decode * 1e3:.1f} ms; step of k+1={k + 1} tokens {t_verify * 1e3:.1f} ms "
-          f"({t_verify / t_decode:.2f}x); MTP draft (estimated, {head_share(cfg):.0%} of the weights) "
-          f"{t_draft * 1e3:.1f} ms")
-    round_cost = t_verify + k * t_draft
-    print("acceptance length -> expected batch-1 decode speedup:")
-    for a in sorted({1.0, 1.5, 2.0, 2.5, float(k + 1)} | ({args.acceptance_length} if args.acceptance_length else set())):
-        if a <= k + 1:
-            print(f"  A = {a:.2f}: {a * t_decode / round_cost:.2f}x")
-    need = 1.5 * round_cost / t_decode
-    print(f"1.5x needs A >= {need:.2f} tokens per round (at most {k + 1} with k={k})")
-    return {"t_decode": t_decode, "t_verify": t_verify, "t_draft": t_draft, "acceptance_for_1_5x": need}
+    path = Path(args.model) if args.model else bench_checkpoint(args.preset, args.out_dir)
+    cfg = ModelConfig.from_pretrained(path)
+    if load_mtp_params(path, cfg) is None:
+        raise SystemExit(f"{path} has no MTP head: run `python scripts/train_mtp.py --preset {args.preset}` first")
+    batches = [int(b) for b in args.batches.split(",")]
+    common = dict(max_num_seqs=max(batches), max_num_batched_tokens=max(256, max(batches) * args.prompt_len),
+                  enable_prefix_caching=False, max_model_len=args.prompt_len + args.output_len + 2 * args.k + 16,
+                  dtype=args.dtype)
+    engines = {"plain": LLM(path, **common),
+               "mtp": LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": args.k}, **common)}
+    freeze_startup_heap()
+    rng = np.random.default_rng(12345)           # train_mtp.py draws its prompts from seed 0
+    report = {"model": str(path), "k": args.k, "prompt_len": args.prompt_len, "output_len": args.output_len,
+              "dtype": args.dtype, "rows": []}
+    for b in batches:
+        prompts = rng.integers(3, cfg.vocab_size, (b, args.prompt_len)).tolist()
+        for llm in engines.values():                            # compile this batch's shapes, untimed
+            run(llm, prompts, 4)
+        best = {}
+        for _ in range(args.repeats):
+            for name, llm in engines.items():
+                before = (llm.engine.stats.num_spec_rows, llm.engine.stats.num_accepted_draft_tokens)
+                r = run(llm, prompts, args.output_len)
+                rows = llm.engine.stats.num_spec_rows - before[0]
+                accepted = llm.engine.stats.num_accepted_draft_tokens - before[1]
+                r["acceptance_length"] = 1 + accepted / rows if rows else None
+                if name not in best or r["tok_s"] > best[name]["tok_s"]:
+                    best[name] = r
+        plain, mtp = best["plain"], best["mtp"]
+        a = mtp["acceptance_length"]
+        t_decode, t_spec = plain["steps"]["decode"], mtp["steps"]["spec"]
+        row = {"batch": b, "plain_tok_s": plain["tok_s"], "mtp_tok_s": mtp["tok_s"],
+               "speedup": mtp["tok_s"] / plain["tok_s"], "acceptance_length": a,
+               "t_decode_ms": t_decode * 1e3, "t_spec_ms": t_spec * 1e3 if t_spec else None,
+               "expected_speedup": a * t_decode / t_spec if a and t_spec else None,
+               "tokens_equal": plain["tokens"] == mtp["tokens"], "mtp_steps": mtp["num_steps"]}
+        report["rows"].append(row)
+        print(f"batch {b:>3}: plain {row['plain_tok_s']:7.1f} tok/s | MTP k={args.k} {row['mtp_tok_s']:7.1f} tok/s "
+              f"| {row['speedup']:.2f}x | acceptance length {a:.2f} | decode step {row['t_decode_ms']:.1f} ms, "
+              f"speculative step {row['t_spec_ms']:.1f} ms -> expected {row['expected_speedup']:.2f}x "
+              f"| tokens equal: {row['tokens_equal']}", flush=True)
+    if args.json_out:
+        args.json_out.write_text(json.dumps(report, indent=1))
+    return report
 
 
 if __name__ == "__main__":

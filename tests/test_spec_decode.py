@@ -124,3 +124,34 @@ def test_sampled_acceptance_rejects_drafts_the_target_rules_out():
     first = np.asarray(acc.tokens)[:, 0]
     assert np.all(first != 0)
     assert chi2_pvalue(np.bincount(first, minlength=V)[1:], p[0, 1:]) > 1e-3
+
+
+def _accept_rows_run(p, drafts_per_row, n: int, seed: int, temperature: float = 1.0):
+    """The engine's rule (accept_rows: one-hot drafts, each row its own key) on n rows of the same target."""
+    from qnext.engine.sampler import SamplingTensors
+    from qnext.engine.spec_decode import accept_rows
+
+    keys = np.random.default_rng(seed).integers(0, 2 ** 32, size=(n, 2), dtype=np.uint32)
+    tensors = SamplingTensors(temperature=jnp.full(n, temperature, jnp.float32), min_p=jnp.zeros(n, jnp.float32),
+                              key_data=jnp.asarray(keys), position=jnp.zeros(n, jnp.int32),
+                              suppressed_ids=jnp.full((n, 1), V, jnp.int32))
+    logits = jnp.broadcast_to(jnp.log(jnp.asarray(p)) * temperature, (n, K + 1, V))
+    return jax.jit(accept_rows)(logits, jnp.asarray(drafts_per_row, jnp.int32), tensors)
+
+
+def test_engine_rule_with_greedy_drafts_keeps_the_target_distribution():
+    """The engine drafts with the head's argmax (a one-hot q) and gives each row its own key: every emitted token
+    is still distributed as the target's p at its position (logits scaled by the temperature, which undoes it)."""
+    p, _ = _distributions(6)
+    drafts = np.random.default_rng(7).integers(0, V, size=(N, K))          # a quarter random drafts, the rest
+    drafts[N // 4:] = np.argmax(p[:K], axis=-1)                           # the target's likeliest tokens
+    acc = _accept_rows_run(p, drafts, N, 8, temperature=0.7)
+    tokens, emitted = np.asarray(acc.tokens), np.asarray(acc.num_emitted)
+    for j in range(K + 1):
+        counts = np.bincount(tokens[emitted > j, j], minlength=V)
+        assert counts.sum() > 500, (j, counts.sum())
+        assert chi2_pvalue(counts, p[j]) > 1e-3, (j, counts, p[j] * counts.sum())
+    assert 0 < np.mean(np.asarray(acc.num_accepted)) < K
+    # the accepted share of a draft d at position j is p_j(d): the rule is not accept-all
+    first_accepted = np.asarray(acc.num_accepted) > 0
+    assert abs(first_accepted.mean() - p[0][drafts[:, 0]].mean()) < 0.02

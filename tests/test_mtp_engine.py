@@ -1,0 +1,151 @@
+"""MTP speculative decoding in the engine (speculative_config): greedy tokens equal plain decoding's on the three
+families at batch 1 and 8, with the prefix cache on (a second turn served from it), under preemption and with the
+host tier; drafts forced all accepted and all rejected give plain decoding's tokens too; sampled rows run; and the
+options that cannot combine with it are refused."""
+from __future__ import annotations
+
+import jax
+import pytest
+
+from qnext import LLM, SamplingParams
+from qnext.config import ModelConfig
+from qnext.model.loader import load_params
+from qnext.model.mtp import init_mtp_params, save_mtp_params
+from qnext.testing.tiny_checkpoint import write_tiny_checkpoint
+
+K = 2
+SPEC = {"method": "mtp", "num_speculative_tokens": K}
+OPTIONS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=160, block_size=8)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def prompts(n: int, offset: int = 0) -> list[dict]:
+    return [{"prompt_token_ids": [(7 * i + 3 * j + offset) % 400 + 3 for j in range(13 + 3 * i)]} for i in range(n)]
+
+
+def with_mtp_head(tmp_path_factory, family: str):
+    """A tiny checkpoint with an MTP head (initialised from the decoder's last full-attention layer)."""
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp(f"mtp-{family}"), family)
+    cfg = ModelConfig.from_pretrained(path)
+    save_mtp_params(path, init_mtp_params(load_params(path, cfg), cfg, jax.random.key(1)), cfg)
+    return path
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def second_turn(first, outputs) -> list[dict]:
+    """Each conversation continued: its prompt, its answer and a few new tokens."""
+    return [{"prompt_token_ids": p["prompt_token_ids"] + o.outputs[0].token_ids + [11, 12, 13]}
+            for p, o in zip(first, outputs)]
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_greedy_equals_plain_at_batch_1_and_8_with_a_cached_second_turn(family, tmp_path_factory):
+    path = with_mtp_head(tmp_path_factory, family)
+    plain = LLM(path, **OPTIONS)
+    spec = LLM(path, speculative_config=SPEC, **OPTIONS)
+    for batch in (prompts(1), prompts(8, offset=50)):
+        want, got = plain.generate(batch, GREEDY), spec.generate(batch, GREEDY)
+        assert tokens(got) == tokens(want)
+        turn = second_turn(batch, got)
+        want2, got2 = plain.generate(turn, GREEDY), spec.generate(turn, GREEDY)
+        assert tokens(got2) == tokens(want2)
+        assert all(o.num_cached_tokens > 0 for o in got2)       # the second turn came from the prefix cache
+    stats = spec.engine.stats
+    assert stats.num_spec_rows > 0 and stats.num_draft_tokens > 0  # speculative steps ran
+    # every generated token came from the target: the verify passes emitted 1 + accepted tokens each
+    assert 1.0 <= stats.acceptance_length <= K + 1
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return with_mtp_head(tmp_path_factory, "qwen3_5")
+
+
+@pytest.fixture(scope="module")
+def plain(checkpoint):
+    return LLM(checkpoint, **OPTIONS)
+
+
+def force_drafts(llm, oracle):
+    """Replaces the head's drafts after every step by oracle(seq) (the MTP layer still runs and writes its KV)."""
+    scheduler = llm.engine.scheduler
+    postprocess = scheduler.postprocess
+
+    def overriding(plan, result):
+        updated, generated = postprocess(plan, result)
+        for seq in scheduler.running:
+            if seq.draft_token_ids:
+                seq.draft_token_ids = oracle(seq)
+        return updated, generated
+
+    scheduler.postprocess = overriding
+
+
+@pytest.mark.parametrize("forced", ["accept", "reject"])
+def test_forced_acceptance_and_rejection_equal_plain_decoding(checkpoint, plain, forced):
+    batch = prompts(4, offset=100)
+    want = {p["prompt_token_ids"][0]: t for p, t in zip(batch, tokens(plain.generate(batch, GREEDY)))}
+    vocab = plain.engine.model_config.vocab_size
+
+    def oracle(seq):                 # the plain run's next k tokens, or a token that is never them
+        future = want[seq.prompt_token_ids[0]][len(seq.output_token_ids):][:K]
+        future += [0] * (K - len(future))
+        return future if forced == "accept" else [(t + 1) % vocab for t in future]
+
+    spec = LLM(checkpoint, speculative_config=SPEC, **OPTIONS)
+    force_drafts(spec, oracle)
+    assert tokens(spec.generate(batch, GREEDY)) == list(want.values())
+    stats = spec.engine.stats
+    if forced == "accept":           # whole windows kept, but where max_tokens cuts the last one
+        assert stats.num_accepted_draft_tokens >= 0.9 * stats.num_draft_tokens > 0
+    else:
+        assert stats.num_accepted_draft_tokens == 0 and stats.num_draft_tokens > 0
+        assert stats.acceptance_length == 1.0
+
+
+def test_greedy_equals_plain_under_preemption_and_with_the_host_tier(checkpoint, plain):
+    batch = prompts(8, offset=200)
+    want = tokens(plain.generate(batch, GREEDY))
+    # 14 blocks of 8 tokens cannot hold 8 sequences of ~40 tokens: the newest are preempted and recomputed
+    tight = LLM(checkpoint, speculative_config=SPEC, num_gpu_blocks_override=20, kv_offloading_size=0.001,
+                **OPTIONS)
+    assert tokens(tight.generate(batch, GREEDY)) == want
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.stats.num_spec_rows > 0
+    # the evicted prefixes went to the host tier; a second turn loads them back
+    turn = second_turn(batch[:2], tight.generate(batch[:2], GREEDY))
+    got = tight.generate(turn, GREEDY)
+    assert tokens(got) == tokens(plain.generate(turn, GREEDY))
+    tiers = tight.engine.cache_stats.tiers
+    assert tiers.blocks_offloaded > 0 and tiers.host_hit_tokens > 0
+
+
+def test_sampled_rows_speculate_and_are_reproducible_by_seed(checkpoint):
+    # Which steps verify drafts depends on the schedule (a prefix hit changes it), and a rejected draft's
+    # replacement is drawn differently from a plain step's token (the distribution is the same: test_spec_decode),
+    # so the same seed gives the same tokens for the same schedule: here, without the prefix cache.
+    spec = LLM(checkpoint, speculative_config=SPEC, enable_prefix_caching=False, **OPTIONS)
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, seed=5, ignore_eos=True)
+    first = tokens(spec.generate(prompts(3), params))
+    again = tokens(spec.generate(prompts(3), params))
+    assert first == again and all(len(t) == 16 for t in first)
+    assert spec.engine.stats.num_spec_rows > 0
+
+
+def test_refused_combinations_say_why(checkpoint, tiny_checkpoint):
+    with pytest.raises(ValueError, match="has none"):
+        LLM(tiny_checkpoint("qwen3_5"), speculative_config=SPEC, **OPTIONS)
+    with pytest.raises(ValueError, match="num_scheduler_steps"):
+        LLM(checkpoint, speculative_config=SPEC, num_scheduler_steps=4, **OPTIONS)
+    with pytest.raises(ValueError, match="one device"):
+        LLM(checkpoint, speculative_config=SPEC, tensor_parallel_size=2, **OPTIONS)
+    with pytest.raises(ValueError, match="method"):
+        LLM(checkpoint, speculative_config={"method": "eagle", "num_speculative_tokens": 2}, **OPTIONS)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(checkpoint, speculative_config={"method": "mtp", "num_speculative_tokens": 0}, **OPTIONS)
+    with pytest.raises(ValueError, match="block"):
+        LLM(checkpoint, speculative_config={"method": "mtp", "num_speculative_tokens": 7},
+            **{**OPTIONS, "block_size": 4})
