@@ -149,3 +149,14 @@ def test_refused_combinations_say_why(checkpoint, tiny_checkpoint):
     with pytest.raises(ValueError, match="block"):
         LLM(checkpoint, speculative_config={"method": "mtp", "num_speculative_tokens": 7},
             **{**OPTIONS, "block_size": 4})
+
+
+def test_serve_flag_takes_vllms_json():
+    from qnext.server.cli import build_parser
+
+    parser, names = build_parser()
+    args = parser.parse_args(["serve", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}'])
+    assert "speculative_config" in names
+    assert args.speculative_config == {"method": "mtp", "num_speculative_tokens": 3}
+    with pytest.raises(SystemExit):                       # argparse reports the JSON error and exits
+        parser.parse_args(["serve", "--speculative-config", "{method: mtp}"])

@@ -145,7 +145,7 @@ class ModelRunner:
         """One verify pass over every row's window (spec_step.make_spec_step); item i keeps tokens[:ran[i], i]."""
         t0 = time.perf_counter()
         k, multi, m = self.num_speculative_tokens, plan.multi, len(plan.items)
-        d, length = plan.bucket.sizes.num_decode, window_length(k)
+        d, length = plan.bucket.sizes.num_decode, window_length(k, self.cfg.backend)
         windows = [[it.segment.token_ids[0]] + list(drafts[:steps - 1])
                    for it, drafts, steps in zip(plan.items, plan.drafts, multi.steps)]
         inputs = verify_inputs(windows, [it.segment.read_row for it in plan.items],
@@ -306,7 +306,8 @@ class ModelRunner:
                                     hidden, chain)
         if bucket.is_decode:
             d = s.num_decode
-            verify = verify_inputs([], [], [], [], [], d, window_length(k), s.max_blocks, self.config.block_size)
+            verify = verify_inputs([], [], [], [], [], d, window_length(k, self.cfg.backend), s.max_blocks,
+                                   self.config.block_size)
             _, _, _, buffers = self._spec_step(self.params, self.mtp, buffers, verify, _idle_spec_inputs(d, k), None)
             tensors, _ = self.sampler_inputs.build([SamplingRow("warm-up", _WARM_UP_SAMPLING[1], [0], [], 0)], d)
             self.sampler_inputs.free("warm-up")

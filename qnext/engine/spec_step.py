@@ -34,9 +34,11 @@ from qnext.model.step_inputs import RowGroups, StepInputs
 from qnext.model.verify import commit_positions, verify_deltanet
 
 
-def window_length(num_speculative_tokens: int) -> int:
-    """Rows of a verify window: k + 1 tokens rounded up to a power of two (the GPU kernels' group shapes)."""
-    return 1 << num_speculative_tokens.bit_length()
+def window_length(num_speculative_tokens: int, backend: str) -> int:
+    """Rows of a verify window: k + 1 tokens, rounded up to a power of two on GPUs (the Pallas kernels' group
+    shapes); on CPU exactly k + 1 (padding rows would cost their matmul rows)."""
+    k = num_speculative_tokens
+    return k + 1 if backend == "cpu" else 1 << k.bit_length()
 
 
 @struct.dataclass
