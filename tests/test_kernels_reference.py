@@ -394,15 +394,17 @@ def test_paged_attention_reference_matches_dense(case, hq, hkv):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
-def test_write_kv_puts_each_token_at_its_slot_of_every_head():
+@pytest.mark.parametrize("write", ["write_kv_reference", "write_kv_leading"])
+def test_write_kv_puts_each_token_at_its_slot_of_every_head(write):
+    """Both forms (the CPU one and the GPU one that indexes the pages' leading dims) write the same slots."""
     rng = np.random.default_rng(7)
     hkv, num_blocks, block_size, d = 2, 5, 4, 8
     k_pages = rng.normal(size=(hkv, num_blocks, block_size, d)).astype(np.float32)
     v_pages = rng.normal(size=(hkv, num_blocks, block_size, d)).astype(np.float32)
     slots = np.array([5, 19, 6, 12], np.int32)                    # blocks 1, 4, 1, 3
     k, v = (rng.normal(size=(len(slots), hkv, d)).astype(np.float32) for _ in range(2))
-    got_k, got_v = jax.jit(attn.write_kv_reference)(jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(k),
-                                                    jnp.asarray(v), jnp.asarray(slots))
+    got_k, got_v = jax.jit(getattr(attn, write))(jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(k),
+                                                 jnp.asarray(v), jnp.asarray(slots))
     want_k, want_v = k_pages.copy(), v_pages.copy()
     for t, s in enumerate(slots):
         want_k[:, s // block_size, s % block_size] = k[t]
