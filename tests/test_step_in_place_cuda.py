@@ -20,6 +20,7 @@ import pytest
 from cache.device_buffers import allocate_cache_buffers
 from qnext.bench.presets import PRESETS
 from qnext.config import ModelConfig
+from qnext.engine.multi_step import MultiStepInputs, make_multi_step
 from qnext.engine.runner import make_engine_step
 from qnext.model.buckets import BucketTable
 from qnext.model.cache_buffers import cache_layout
@@ -34,9 +35,10 @@ def _mlir_type(x) -> str:
     return f"tensor<{'x'.join(map(str, x.shape))}x{jnp.dtype(x.dtype).name.replace('float', 'f')}>"
 
 
-def _lowered_step(kernels: str):
-    """(StableHLO text, cache buffer types, index of the first cache argument) of the small bench model's step for a
-    mixed bucket (decode rows and 64-token prefill groups), bf16, on CUDA with `kernels`."""
+def _lowered_step(kernels: str, multi_step: bool = False):
+    """(StableHLO text, cache buffer types, index of the first cache argument, their count) of the small bench
+    model's step for a mixed bucket (decode rows and 64-token prefill groups), bf16, on CUDA with `kernels`; or of
+    its multi-step decode call (8 steps of 2 rows)."""
     preset = PRESETS["small"]                      # real head dims: the Mosaic kernels take these shapes
     cfg = dataclasses.replace(ModelConfig.from_hf_config(tiny_hf_config(preset.family, **preset.overrides)),
                               backend="gpu", gpu_kernels=kernels)
@@ -45,10 +47,17 @@ def _lowered_step(kernels: str):
                                                             block_size=BLOCK_SIZE, num_state_rows=NUM_ROWS))
     table = BucketTable(max_num_seqs=4, max_num_batched_tokens=128, max_blocks=8, prefill_chunk=64,
                         max_prefill_groups_extra=2)
-    bucket = next(b for b in table.mixed if b.chunk == 64)
-    segments = [Segment([0], 0, [0], -1, 0), Segment([0] * 2, 0, [0], -1, 0)]
-    inputs = build_step_inputs(segments, bucket.sizes, block_size=BLOCK_SIZE, chunk=bucket.chunk)
-    text = make_engine_step(cfg).trace(params, buffers, inputs).lower(lowering_platforms=("cuda",)).as_text()
+    if multi_step:
+        bucket = table.decode[1]
+        segments = [Segment([0], 0, [0], -1, 0)] * 2
+        inputs = build_step_inputs(segments, bucket.sizes, block_size=BLOCK_SIZE, chunk=bucket.chunk)
+        traced = make_multi_step(cfg, 8, BLOCK_SIZE).trace(params, buffers, inputs, MultiStepInputs.idle(8, 2), None)
+    else:
+        bucket = next(b for b in table.mixed if b.chunk == 64)
+        segments = [Segment([0], 0, [0], -1, 0), Segment([0] * 2, 0, [0], -1, 0)]
+        inputs = build_step_inputs(segments, bucket.sizes, block_size=BLOCK_SIZE, chunk=bucket.chunk)
+        traced = make_engine_step(cfg).trace(params, buffers, inputs)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
     types = {_mlir_type(x) for x in jax.tree.leaves(buffers)}
     return text, types, len(jax.tree.leaves(params)), len(jax.tree.leaves(buffers))
 
@@ -86,9 +95,10 @@ def _step_violations(text: str, cache_types: set[str], first: int, count: int) -
     return bad
 
 
+@pytest.mark.parametrize("multi_step", [False, True], ids=["step", "multi_step"])
 @pytest.mark.parametrize("kernels", ["mosaic", "triton"])
-def test_engine_step_updates_every_cache_buffer_in_place_on_cuda(kernels):
-    text, cache_types, first, count = _lowered_step(kernels)
+def test_engine_step_updates_every_cache_buffer_in_place_on_cuda(kernels, multi_step):
+    text, cache_types, first, count = _lowered_step(kernels, multi_step)
     assert ("mosaic_gpu" in text) == (kernels == "mosaic") and ("xla.gpu.triton" in text) == (kernels == "triton")
     assert _step_violations(text, cache_types, first, count) == []
 
