@@ -100,7 +100,8 @@ def paged_attention(q, k_pages, v_pages, block_table, kv_len, q_pos, *, sm_scale
     _check(q_pos.shape == (n, length), f"q_pos must be [{n}, {length}], got {q_pos.shape}")
     impl = _implementation(implementation, interpret)
     args = (q, k_pages, v_pages, block_table, kv_len, q_pos)
-    reference = functools.partial(attn_ops.paged_attention_reference, *args, sm_scale=sm_scale)
+    reference = functools.partial(attn_ops.paged_attention_reference, *args, sm_scale=sm_scale,
+                                  leading_gather=impl != "reference")
     if impl == "triton":
         from pallas_kernels import paged_attention_pallas
         return paged_attention_pallas.paged_attention(*args, sm_scale=sm_scale, interpret=interpret)

@@ -379,16 +379,18 @@ ATTN_CASES = {  # name: (seqs (prefix, new), group_len)
 }
 
 
+@pytest.mark.parametrize("leading_gather", [False, True], ids=["cpu_gather", "gpu_gather"])
 @pytest.mark.parametrize("case", sorted(ATTN_CASES))
 @pytest.mark.parametrize("hq, hkv", [(2, 2), (4, 2), (8, 2)])
-def test_paged_attention_reference_matches_dense(case, hq, hkv):
+def test_paged_attention_reference_matches_dense(case, hq, hkv, leading_gather):
     seqs, group_len = ATTN_CASES[case]
     rng = np.random.default_rng(hq)
     block_size, d = 16, 16
     layout = random_attn_layout(rng, seqs, group_len, block_size, num_pad=1)
     q, k_pages, v_pages = attn_inputs(rng, layout, hq, hkv, d, block_size)
     want = dense_attention(q, k_pages, v_pages, layout, 0.3)
-    reference = jax.jit(functools.partial(attn.paged_attention_reference, sm_scale=0.3, span_blocks=2))
+    reference = jax.jit(functools.partial(attn.paged_attention_reference, sm_scale=0.3, span_blocks=2,
+                                          leading_gather=leading_gather))
     got = reference(jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(layout.block_table),
                     jnp.asarray(layout.kv_len), jnp.asarray(layout.q_pos))
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)

@@ -35,15 +35,15 @@ def _mlir_type(x) -> str:
     return f"tensor<{'x'.join(map(str, x.shape))}x{jnp.dtype(x.dtype).name.replace('float', 'f')}>"
 
 
-def _lowered_step(kernels: str, multi_step: bool = False):
+def _lowered_step(kernels: str, multi_step: bool = False, dtype=jnp.bfloat16):
     """(StableHLO text, cache buffer types, index of the first cache argument, their count) of the small bench
     model's step for a mixed bucket (decode rows and 64-token prefill groups), bf16, on CUDA with `kernels`; or of
-    its multi-step decode call (8 steps of 2 rows)."""
+    its multi-step decode call (8 steps of 2 rows). float32 pages: the Mosaic backend's attention runs the reference."""
     preset = PRESETS["small"]                      # real head dims: the Mosaic kernels take these shapes
     cfg = dataclasses.replace(ModelConfig.from_hf_config(tiny_hf_config(preset.family, **preset.overrides)),
                               backend="gpu", gpu_kernels=kernels)
-    params = map_specs(lambda _, s: jax.ShapeDtypeStruct(s.shape, s.dtype), param_specs(cfg, "bfloat16"))
-    buffers = jax.eval_shape(lambda: allocate_cache_buffers(cache_layout(cfg, jnp.bfloat16), num_blocks=NUM_BLOCKS,
+    params = map_specs(lambda _, s: jax.ShapeDtypeStruct(s.shape, s.dtype), param_specs(cfg, jnp.dtype(dtype).name))
+    buffers = jax.eval_shape(lambda: allocate_cache_buffers(cache_layout(cfg, dtype), num_blocks=NUM_BLOCKS,
                                                             block_size=BLOCK_SIZE, num_state_rows=NUM_ROWS))
     table = BucketTable(max_num_seqs=4, max_num_batched_tokens=128, max_blocks=8, prefill_chunk=64,
                         max_prefill_groups_extra=2)
@@ -100,6 +100,13 @@ def _step_violations(text: str, cache_types: set[str], first: int, count: int) -
 def test_engine_step_updates_every_cache_buffer_in_place_on_cuda(kernels, multi_step):
     text, cache_types, first, count = _lowered_step(kernels, multi_step)
     assert ("mosaic_gpu" in text) == (kernels == "mosaic") and ("xla.gpu.triton" in text) == (kernels == "triton")
+    assert _step_violations(text, cache_types, first, count) == []
+
+
+def test_float32_step_with_mosaic_attention_falling_back_updates_the_pages_in_place_on_cuda():
+    """float32 pages: the Mosaic backend's attention runs the reference, whose page gather must index the pages'
+    leading dims too (a loop over spans: a transposed copy of the pages per span)."""
+    text, cache_types, first, count = _lowered_step("mosaic", dtype=jnp.float32)
     assert _step_violations(text, cache_types, first, count) == []
 
 
