@@ -204,15 +204,23 @@ def _padded(indices: list[int], fill: int) -> np.ndarray:
     return out
 
 
+def page_index(pages, blocks):
+    """Index of `blocks` [n] of every head of pages [Hkv, N, bs, D], on the pages' leading dims (head, block):
+    pages[page_index(pages, blocks)] is pages[:, blocks]. XLA:GPU rewrites a gather or scatter indexed on other dims
+    than the leading ones (pages[:, blocks]) with its operand transposed first: a copy of the whole pages."""
+    return jnp.arange(pages.shape[0], dtype=blocks.dtype)[:, None], blocks[None, :]
+
+
 @jax.jit
 def _gather_blocks(kv, blocks):   # kv: per layer (k, v) [Hkv, N, bs, D]; blocks [n]
-    return tuple((k[:, blocks], v[:, blocks]) for k, v in kv)
+    return tuple((k[page_index(k, blocks)], v[page_index(v, blocks)]) for k, v in kv)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _scatter_blocks(kv, blocks, values):   # values: per layer (k, v) [Hkv, n, bs, D]; out-of-range blocks dropped
-    return tuple((k.at[:, blocks].set(vk.astype(k.dtype), mode="drop"),
-                  v.at[:, blocks].set(vv.astype(v.dtype), mode="drop")) for (k, v), (vk, vv) in zip(kv, values))
+    return tuple((k.at[page_index(k, blocks)].set(vk.astype(k.dtype), mode="drop"),
+                  v.at[page_index(v, blocks)].set(vv.astype(v.dtype), mode="drop"))
+                 for (k, v), (vk, vv) in zip(kv, values))
 
 
 @jax.jit

@@ -10,7 +10,7 @@ import functools
 import jax
 import numpy as np
 
-from cache.device_buffers import CacheBuffers
+from cache.device_buffers import CacheBuffers, page_index
 from cache.forks import ForkCopies
 
 
@@ -31,7 +31,7 @@ def _copy(buffers: CacheBuffers, src_rows, dst_rows, src_blocks, dst_blocks) -> 
         return x.at[dst_rows].set(x[src_rows], mode="drop")
 
     def blocks(x):                   # [Hkv, num_blocks, block_size, D]
-        return x.at[:, dst_blocks].set(x[:, src_blocks], mode="drop")
+        return x.at[page_index(x, dst_blocks)].set(x[page_index(x, src_blocks)], mode="drop")
 
     return CacheBuffers(kv=tuple((blocks(k), blocks(v)) for k, v in buffers.kv),
                         conv=tuple(rows(c) for c in buffers.conv),

@@ -72,15 +72,19 @@ def _check_heads(q_heads, kv_heads, what):
            f"{what}: {q_heads} query heads are not a multiple of {kv_heads} key/value heads")
 
 
-def write_kv(k_pages, v_pages, k, v, slot_mapping):
-    """Write new keys/values [T, Hkv, D] into the pages at flat slots [T]. Returns (k_pages, v_pages)."""
+def write_kv(k_pages, v_pages, k, v, slot_mapping, *, implementation=None):
+    """Write new keys/values [T, Hkv, D] into the pages at flat slots [T]. Returns (k_pages, v_pages).
+    Both forms are XLA scatters, in place on donated pages; with a GPU implementation the scatter indexes the pages'
+    leading dims (paged_attention.write_kv_leading: XLA:GPU would copy the pages for the reference's form)."""
     _check(k_pages.ndim == 4 and k_pages.shape == v_pages.shape,
            f"k_pages and v_pages must both be [Hkv, blocks, block_size, D], got {k_pages.shape} and {v_pages.shape}")
     hkv, d = k_pages.shape[0], k_pages.shape[3]
     _check(k.ndim == 3 and k.shape == v.shape and k.shape[1:] == (hkv, d),
            f"k/v must be [T, {hkv}, {d}], got {k.shape} and {v.shape}")
     _check(slot_mapping.shape == k.shape[:1], f"slot_mapping must be [{k.shape[0]}], got {slot_mapping.shape}")
-    return attn_ops.write_kv_reference(k_pages, v_pages, k, v, slot_mapping)
+    if _implementation(implementation, False) == "reference":
+        return attn_ops.write_kv_reference(k_pages, v_pages, k, v, slot_mapping)
+    return attn_ops.write_kv_leading(k_pages, v_pages, k, v, slot_mapping)
 
 
 def paged_attention(q, k_pages, v_pages, block_table, kv_len, q_pos, *, sm_scale, implementation=None,
@@ -96,7 +100,8 @@ def paged_attention(q, k_pages, v_pages, block_table, kv_len, q_pos, *, sm_scale
     _check(q_pos.shape == (n, length), f"q_pos must be [{n}, {length}], got {q_pos.shape}")
     impl = _implementation(implementation, interpret)
     args = (q, k_pages, v_pages, block_table, kv_len, q_pos)
-    reference = functools.partial(attn_ops.paged_attention_reference, *args, sm_scale=sm_scale)
+    reference = functools.partial(attn_ops.paged_attention_reference, *args, sm_scale=sm_scale,
+                                  leading_gather=impl != "reference")
     if impl == "triton":
         from pallas_kernels import paged_attention_pallas
         return paged_attention_pallas.paged_attention(*args, sm_scale=sm_scale, interpret=interpret)

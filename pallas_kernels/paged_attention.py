@@ -35,7 +35,23 @@ def write_kv_reference(k_pages, v_pages, k, v, slot_mapping):
     return write(k_pages, k), write(v_pages, v)
 
 
-def paged_attention_reference(q, k_pages, v_pages, block_table, kv_len, q_pos, *, sm_scale, span_blocks=None):
+def write_kv_leading(k_pages, v_pages, k, v, slot_mapping):
+    """write_kv_reference's result, as a scatter whose indexed dims are the pages' leading dims (head, block,
+    row), for XLA:GPU. There a scatter indexed on other dims than the leading ones (the reference's block and row
+    with every head) is first rewritten with its operand transposed (XLA's ScatterSimplifier): a copy of the whole
+    pages, as big as the KV cache of a layer (the small bench model's first step on an H200 asked for 47 GiB)."""
+    hkv, _, bs, _ = k_pages.shape
+    heads = jnp.arange(hkv, dtype=slot_mapping.dtype)[:, None]                          # [Hkv, 1]
+    block, row = (slot_mapping // bs)[None, :], (slot_mapping % bs)[None, :]           # [1, T]
+
+    def write(pages, x):
+        return pages.at[heads, block, row].set(jnp.swapaxes(x, 0, 1).astype(pages.dtype))    # [Hkv, T, D]
+
+    return write(k_pages, k), write(v_pages, v)
+
+
+def paged_attention_reference(q, k_pages, v_pages, block_table, kv_len, q_pos, *, sm_scale, span_blocks=None,
+                              leading_gather=False):
     """Online softmax over spans of `span_blocks` pages; memory O(N * span) instead of O(N * max_len), and the
     loop stops after the span holding the longest kv_len in the batch, so the cost follows the real context, not
     max_model_len. Every row pays for the whole last span and short spans cost loop steps. By default a decode span
@@ -74,8 +90,11 @@ def paged_attention_reference(q, k_pages, v_pages, block_table, kv_len, q_pos, *
     def step(span_idx, carry):
         m, l, acc = carry
         blocks = jax.lax.dynamic_index_in_dim(table, span_idx, 0, keepdims=False)      # [N, span]
-        k = k_pages[:, blocks].reshape(hkv, n, span_tokens, d).astype(jnp.float32)
-        v = v_pages[:, blocks].reshape(hkv, n, span_tokens, d).astype(jnp.float32)
+        # leading_gather (the GPU fallback): index (head, block), the pages' leading dims; XLA:GPU would copy the
+        # whole pages (transposed) to gather pages[:, blocks]. The CPU keeps the measured form.
+        index = (jnp.arange(hkv)[:, None, None], blocks[None]) if leading_gather else (slice(None), blocks)
+        k = k_pages[index].reshape(hkv, n, span_tokens, d).astype(jnp.float32)
+        v = v_pages[index].reshape(hkv, n, span_tokens, d).astype(jnp.float32)
         key_pos = span_idx * span_tokens + jnp.arange(span_tokens)
         visible = (key_pos[None, None, :] < kv_len[:, None, None]) & (key_pos[None, None, :] <= row_pos[:, :, None])
         s = jnp.einsum("hnqd,hnkd->hnqk", qg, k, precision=_HIGHEST)

@@ -2,6 +2,7 @@
 
     python scripts/gpu_check.py                      # writes gpu_check.json; about 3-6 minutes on an H200
     python scripts/gpu_check.py --out report.json --no-bench
+    python scripts/gpu_check.py --kernels chunk_gated_delta_rule --models qwen3-next-80b   # one op, one shape
 
 1. Kernels: every Pallas kernel of both backends (Triton; Mosaic GPU where the device is Hopper, see
    pallas_kernels/backend_choice.py) against its jnp reference at the layer shapes of Qwen3.5-27B, Qwen3-Next-80B
@@ -10,7 +11,10 @@
    the custom call each lowered to (a Mosaic call that fell back to the reference is reported, not hidden), and
    the best time of the kernel vs XLA's jnp path at the same shapes (bf16 inputs, float32 states).
 2. scripts/bench.py's small model (real head dims) at batch 1 and 16, bfloat16, on the GPU (no transformers
-   side, no chat workload), with the engine's automatic kernel backend.
+   side, no chat workload), with the engine's automatic kernel backend. Its checkpoint and JAX compilation cache go
+   to --bench-dir (default: a new folder in the temp dir, not next to the report); its JSON and its log (clipped)
+   go next to the report: <report stem>_bench.json and <report stem>_bench.log.
+--kernels and --models run only some ops / model shapes (the bench still runs unless --no-bench).
 The JSON report holds the environment (JAX version, device, compute capability, the automatic backend choice and
 why), every kernel row and the bench's own JSON. A stage that would run past --budget-s is skipped and marked so.
 Exit status: 0 all kernels match; 1 a kernel failed or mismatched; 2 no NVIDIA GPU visible to JAX.
@@ -21,6 +25,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -71,11 +76,18 @@ def kernel_cases(model):
         r = bk.sequence_groups(GDR_SEQS, GDR_LEN, C)
         return r["length"], (r["read_row"], r["write_row"], r["capture_row"], r["is_first"], r["is_last"])
 
+    def state_pool(key, rows):
+        """[rows, Hv, dk, dv] random float32 states with row 0 the zero state, as in the engine's pools (the ops'
+        contract: read_row -1 and 0 both mean a zero state; the kernels read -1 as zeros or read row 0)."""
+        return (jax.random.normal(key, (rows, hv, DK, DV), jnp.float32) * 0.1).at[0].set(0.0)
+
     def chunk():
-        length, rows = prefill_rows()
+        length, (read, write, capture, first, last) = prefill_rows()
+        # sequence 0 starts from the zero state, sequence 1 continues from the state in its own row (a prefix hit)
+        read = jnp.where(write == GDR_SEQS, GDR_SEQS, read)
         q, k, v, g, beta = bk.gdr_tensors(jax.random.PRNGKey(1), (length.shape[0], C), hk, hv, DK, DV, bf16)
-        state = jax.random.normal(jax.random.PRNGKey(2), (GDR_SEQS + 1, hv, DK, DV), jnp.float32) * 0.1
-        return (q, k, v, g, beta, length, state, *rows)
+        return (q, k, v, g, beta, length, state_pool(jax.random.PRNGKey(2), GDR_SEQS + 1), read, write, capture,
+                first, last)
 
     def decode_rows():
         return jnp.arange(1, b + 1, dtype=jnp.int32), jnp.zeros((b,), jnp.int32)
@@ -83,8 +95,7 @@ def kernel_cases(model):
     def recurrent():
         live, none = decode_rows()
         q, k, v, g, beta = bk.gdr_tensors(jax.random.PRNGKey(3), (b,), hk, hv, DK, DV, bf16)
-        state = jax.random.normal(jax.random.PRNGKey(4), (b + 1, hv, DK, DV), jnp.float32) * 0.1
-        return (q, k, v, g, beta, state, live, live, none)
+        return (q, k, v, g, beta, state_pool(jax.random.PRNGKey(4), b + 1), live, live, none)
 
     def weight():
         return jax.random.normal(jax.random.PRNGKey(5), (conv_dim, WIDTH), bf16)
@@ -162,10 +173,16 @@ def check_case(name, op, args, kwargs, backend, repeats, reference=None):
     return row
 
 
-def run_kernels(backends, repeats, deadline):
+KERNELS = ("paged_attention", "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "causal_conv1d_update",
+           "causal_conv1d_chunked")       # the op of a case is the first word of its name
+
+
+def run_kernels(backends, repeats, deadline, models=tuple(MODELS), kernels=KERNELS):
     rows = []
-    for model in MODELS:
+    for model in models:
         for name, op, make_args, kwargs in kernel_cases(model):
+            if name.split()[0] not in kernels:
+                continue
             reference = args = None
             for backend in backends:
                 base = dict(model=model, kernel=name, backend=backend)
@@ -193,23 +210,52 @@ def _row_line(row):
             f"ms  x{row['speedup']:.2f}")
 
 
-def run_bench(out_dir, timeout_s):
-    """scripts/bench.py's small model at batch 1 and 16 (bf16, no transformers, no chat) -> its JSON or an error."""
-    json_out = out_dir / "bench_small.json"
+LOG_LIMIT = 200_000          # characters of the bench's log kept (head and tail), so the report folder stays small
+
+
+def _clipped(text, limit=LOG_LIMIT):
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit // 4]}\n... [{len(text) - limit} characters left out] ...\n{text[-3 * limit // 4:]}"
+
+
+def _text(x):
+    return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+
+
+def run_bench(report_path, work_dir, timeout_s, batches="1,16", repeats=2):
+    """scripts/bench.py's small model at `batches` (bf16, no transformers, no chat) -> its JSON or an error.
+    Checkpoints and the compilation cache go under `work_dir`; the bench's JSON and log next to the report."""
+    stem = report_path.with_suffix("")
+    json_out, log_out = Path(f"{stem}_bench.json"), Path(f"{stem}_bench.log")
     cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--models", "small", "--dtype", "bfloat16",
-           "--batches", "small:1,16", "--no-hf", "--chat-models=", "--repeats", "2", "--out-dir",
-           str(out_dir / "bench_out"), "--json-out", str(json_out)]
+           "--batches", f"small:{batches}", "--no-hf", "--chat-models=", "--repeats", str(repeats), "--out-dir",
+           str(work_dir), "--json-out", str(json_out)]
     if timeout_s < 60:
         return dict(skipped="time budget", command=" ".join(cmd))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return dict(error=f"timed out after {timeout_s:.0f} s", command=" ".join(cmd))
-    result = dict(command=" ".join(cmd), returncode=proc.returncode, stdout_tail=proc.stdout[-4000:],
-                  stderr_tail=proc.stderr[-2000:])
-    if proc.returncode == 0 and json_out.exists():
+        stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as err:
+        stdout, stderr, code = _text(err.stdout), _text(err.stderr), None
+    log_out.write_text(_clipped(f"$ {' '.join(cmd)}\n--- stdout\n{stdout}\n--- stderr\n{stderr}"))
+    result = dict(command=" ".join(cmd), returncode=code, log=str(log_out), stdout_tail=stdout[-4000:],
+                  stderr_tail=stderr[-6000:],
+                  # an out-of-memory error's own lines (the allocator's summary after it pushes them out of the tail)
+                  oom_lines=[line[:500] for line in stderr.splitlines() if "out of memory" in line.lower()][:10])
+    if code is None:
+        result["error"] = f"timed out after {timeout_s:.0f} s"
+    elif code == 0 and json_out.exists():
         result["report"] = json.loads(json_out.read_text())
     return result
+
+
+def _choice(text, allowed, what):
+    chosen = [x for x in text.split(",") if x]
+    unknown = [x for x in chosen if x not in allowed]
+    if unknown or not chosen:
+        raise SystemExit(f"gpu_check: {what} must be a comma list of {', '.join(allowed)}; got {text!r}")
+    return chosen
 
 
 def main(argv=None) -> int:
@@ -219,7 +265,15 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=10, help="timed calls per kernel (best is reported)")
     p.add_argument("--budget-s", type=float, default=450.0, help="wall budget of the whole check, seconds")
     p.add_argument("--no-bench", action="store_true", help="skip bench.py")
+    p.add_argument("--kernels", default=",".join(KERNELS), help=f"comma list of ops to check, of {', '.join(KERNELS)}")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma list of model shapes, of {', '.join(MODELS)}")
+    p.add_argument("--bench-batches", default="1,16", help="bench.py's batch sizes for the small model")
+    p.add_argument("--bench-repeats", type=int, default=2, help="bench.py's timed passes per engine")
+    p.add_argument("--bench-dir", type=Path, default=None,
+                   help="bench.py's checkpoints and compilation cache (default: a new folder in the temp dir)")
     args = p.parse_args(argv)
+    kernels = _choice(args.kernels, KERNELS, "--kernels")
+    models = _choice(args.models, tuple(MODELS), "--models")
     start = time.monotonic()
 
     device = gpu_device()
@@ -246,11 +300,15 @@ def main(argv=None) -> int:
                python=sys.version.split()[0])
     print(f"gpu_check: JAX {env['jax']} on {env['device']} (sm {capability}); auto backend: {auto} ({reason})")
     deadline = start + args.budget_s * (0.6 if not args.no_bench else 1.0)
-    rows = run_kernels(backends, args.repeats, deadline)
-    report = dict(env=env, kernels=rows, tolerance=TOLERANCE)
+    rows = run_kernels(backends, args.repeats, deadline, models, kernels)
+    report = dict(env=env, kernels=rows, tolerance=TOLERANCE, selected=dict(kernels=kernels, models=models))
     if not args.no_bench:
-        out_dir = args.out.resolve().parent
-        report["bench"] = run_bench(out_dir, start + args.budget_s - time.monotonic())
+        work_dir = args.bench_dir or Path(tempfile.mkdtemp(prefix="qnext_gpu_check_bench_"))
+        bench = run_bench(args.out.resolve(), work_dir, start + args.budget_s - time.monotonic(), args.bench_batches,
+                          args.bench_repeats)
+        report["bench"] = bench
+        print(f"gpu_check: bench {'ok' if 'report' in bench else 'FAILED'} (exit {bench.get('returncode')}); "
+              f"log in {bench.get('log')}" + "".join(f"\n  {line}" for line in bench.get("oom_lines", [])[:2]))
     report["wall_s"] = time.monotonic() - start
     args.out.write_text(json.dumps(report, indent=2, default=str))
     bad = [r for r in rows if r.get("ok") is False]

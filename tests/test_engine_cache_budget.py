@@ -83,3 +83,31 @@ def test_rolled_back_admission_leaves_no_trace_on_the_request(tiny_checkpoint, m
         outs += [o for o in engine.step() if o.finished]
     assert outs[0].num_cached_tokens == 0
     assert engine.cache_stats.reused_tokens == 0                  # the rolled-back admission's counts were taken back
+
+
+def test_activation_bytes_budgets_a_step_whose_temporaries_grow_with_the_cache(tiny_checkpoint, monkeypatch,
+                                                                               caplog):
+    """The real step's temporaries do not grow with the cache (measured at two cache sizes); a step that copies a
+    cache buffer (here: flips every buffer, which XLA cannot do in place) is reported as a bug and its copies are
+    budgeted, so the cache plus the step's temporaries still fit the utilised memory."""
+    import jax.numpy as jnp
+
+    import qnext.engine.cache_setup as cache_setup
+
+    limit, in_use = 400_000_000, 300_000
+    monkeypatch.setattr(cache_setup, "device_memory_stats", lambda: {"bytes_limit": limit, "bytes_in_use": in_use})
+    llm = qnext.LLM(tiny_checkpoint("qwen3_next"), gpu_memory_utilization=0.5, **ENGINE)
+    runner = llm.engine.runner
+    with caplog.at_level("ERROR", logger="qnext.engine"):
+        temp = runner.activation_bytes()
+    assert temp > 0 and "grow with the cache" not in caplog.text
+
+    def copying_step(params, buffers, inputs):
+        return jnp.zeros(()), jnp.zeros(()), jax.tree.map(lambda x: jnp.flip(x, 0), buffers)
+
+    monkeypatch.setattr(runner, "_step", jax.jit(copying_step, donate_argnums=(1,)))
+    with caplog.at_level("ERROR", logger="qnext.engine"):
+        budgeted = runner.activation_bytes()
+    assert "grow with the cache" in caplog.text
+    free = 0.5 * limit - in_use
+    assert budgeted > free / 4          # the flip copies (nearly) every buffer: about half of what is free

@@ -379,30 +379,34 @@ ATTN_CASES = {  # name: (seqs (prefix, new), group_len)
 }
 
 
+@pytest.mark.parametrize("leading_gather", [False, True], ids=["cpu_gather", "gpu_gather"])
 @pytest.mark.parametrize("case", sorted(ATTN_CASES))
 @pytest.mark.parametrize("hq, hkv", [(2, 2), (4, 2), (8, 2)])
-def test_paged_attention_reference_matches_dense(case, hq, hkv):
+def test_paged_attention_reference_matches_dense(case, hq, hkv, leading_gather):
     seqs, group_len = ATTN_CASES[case]
     rng = np.random.default_rng(hq)
     block_size, d = 16, 16
     layout = random_attn_layout(rng, seqs, group_len, block_size, num_pad=1)
     q, k_pages, v_pages = attn_inputs(rng, layout, hq, hkv, d, block_size)
     want = dense_attention(q, k_pages, v_pages, layout, 0.3)
-    reference = jax.jit(functools.partial(attn.paged_attention_reference, sm_scale=0.3, span_blocks=2))
+    reference = jax.jit(functools.partial(attn.paged_attention_reference, sm_scale=0.3, span_blocks=2,
+                                          leading_gather=leading_gather))
     got = reference(jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(layout.block_table),
                     jnp.asarray(layout.kv_len), jnp.asarray(layout.q_pos))
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
-def test_write_kv_puts_each_token_at_its_slot_of_every_head():
+@pytest.mark.parametrize("write", ["write_kv_reference", "write_kv_leading"])
+def test_write_kv_puts_each_token_at_its_slot_of_every_head(write):
+    """Both forms (the CPU one and the GPU one that indexes the pages' leading dims) write the same slots."""
     rng = np.random.default_rng(7)
     hkv, num_blocks, block_size, d = 2, 5, 4, 8
     k_pages = rng.normal(size=(hkv, num_blocks, block_size, d)).astype(np.float32)
     v_pages = rng.normal(size=(hkv, num_blocks, block_size, d)).astype(np.float32)
     slots = np.array([5, 19, 6, 12], np.int32)                    # blocks 1, 4, 1, 3
     k, v = (rng.normal(size=(len(slots), hkv, d)).astype(np.float32) for _ in range(2))
-    got_k, got_v = jax.jit(attn.write_kv_reference)(jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(k),
-                                                    jnp.asarray(v), jnp.asarray(slots))
+    got_k, got_v = jax.jit(getattr(attn, write))(jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(k),
+                                                 jnp.asarray(v), jnp.asarray(slots))
     want_k, want_v = k_pages.copy(), v_pages.copy()
     for t, s in enumerate(slots):
         want_k[:, s // block_size, s % block_size] = k[t]

@@ -3,6 +3,7 @@ donated, and samples on device. It holds the params and the compiled steps; it n
 from __future__ import annotations
 
 import functools
+import logging
 import time
 
 import jax
@@ -25,6 +26,13 @@ from qnext.model.tensor_parallel import local_config, shard_step, sharded_model_
 from qnext.sampling_params import SamplingParams
 from qnext.structured.matcher import bitmask_words, fill_bitmask
 from qnext.structured.thinking_budget import force_rows
+
+
+logger = logging.getLogger("qnext.engine")
+
+# activation_bytes' second compile: this many more KV blocks and state rows (shapes only, nothing is allocated),
+# and the growth of the temporaries under which it is noise (alignment), not a copy of a cache buffer
+_PROBE_BLOCKS, _PROBE_ROWS, _PROBE_NOISE_BYTES = 256, 8, 1 << 16
 
 
 @functools.lru_cache(maxsize=None)
@@ -279,9 +287,13 @@ class ModelRunner:
 
     def activation_bytes(self) -> int:
         """Device bytes the largest step shape needs beyond its arguments (XLA's memory analysis of the compiled
-        step, with small cache buffers: what the step allocates does not grow with the cache), for sizing the cache
-        from gpu_memory_utilization. Compiles that one shape."""
+        step), for sizing the cache from gpu_memory_utilization. The step is compiled with small cache buffers and
+        again with bigger ones: what it allocates should not grow with the cache (every cache buffer is updated in
+        place). If it does (a copy of a cache buffer, e.g. a scatter XLA cannot run in place: a bug), the growth is
+        logged as an error and budgeted: the bytes returned are the temporaries of the cache that then fits, so the
+        first step does not run out of memory. Compiles that one shape twice."""
         from cache.device_buffers import allocate_cache_buffers
+        from qnext.engine.cache_setup import device_memory_stats
         from qnext.model.cache_buffers import cache_layout
 
         bucket = max(self.buckets.all, key=lambda b: b.sizes.num_tokens)
@@ -290,11 +302,28 @@ class ModelRunner:
         inputs = build_step_inputs(segments, s, block_size=self.config.block_size, chunk=bucket.chunk)
         layout = cache_layout(sharded_model_config(self.cfg, self.config.tensor_parallel_size),
                               self.params["embed"].dtype)
-        buffers = jax.eval_shape(lambda: allocate_cache_buffers(layout, num_blocks=2, block_size=self.config.block_size,
-                                                                num_state_rows=2))
         params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.params)
-        analysis = self._step.lower(params, buffers, inputs).compile().memory_analysis()
-        return int(getattr(analysis, "temp_size_in_bytes", 0) or 0) if analysis is not None else 0
+
+        def temp_and_cache_bytes(num_blocks, num_rows):
+            buffers = jax.eval_shape(lambda: allocate_cache_buffers(
+                layout, num_blocks=num_blocks, block_size=self.config.block_size, num_state_rows=num_rows))
+            analysis = self._step.lower(params, buffers, inputs).compile().memory_analysis()
+            temp = int(getattr(analysis, "temp_size_in_bytes", 0) or 0) if analysis is not None else 0
+            return temp, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(buffers))
+
+        temp, cache = temp_and_cache_bytes(2, 2)
+        big_temp, big_cache = temp_and_cache_bytes(2 + _PROBE_BLOCKS, 2 + _PROBE_ROWS)
+        growth = (big_temp - temp) / (big_cache - cache)          # temporary bytes per cache byte
+        if big_temp - temp <= max(_PROBE_NOISE_BYTES, 0.02 * (big_cache - cache)):
+            return temp
+        stats = device_memory_stats() or {}
+        free = self.config.gpu_memory_utilization * stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0) - temp
+        extra = int(max(0.0, free) * growth / (1 + growth))       # temporaries of the cache that then fits
+        logger.error("the step's temporaries grow with the cache (%d -> %d bytes when the cache grows by %d bytes): "
+                     "it copies a cache buffer instead of updating it in place, a bug. Budgeting %d more bytes of "
+                     "activations, so the cache is about %.0f%% of what it could be", temp, big_temp,
+                     big_cache - cache, extra, 100 / (1 + growth))
+        return temp + extra
 
     def _warm_up_speculative(self, bucket, inputs, hidden, buffers: CacheBuffers) -> CacheBuffers:
         """Compiles the MTP catch-up for the bucket and, for a decode bucket, the speculative step (greedy and

@@ -46,7 +46,7 @@ def attention_output(p, attended, gate, dtype):
 def full_attention(p, x, kv, inputs: StepInputs, cfg: ModelConfig):
     """x: [T, H]; kv: (k_pages, v_pages). Returns (out [T, H], kv)."""
     q, gate, k, v = attention_inputs(p, x, inputs.positions, cfg)
-    k_pages, v_pages = ops.write_kv(*kv, k, v, inputs.slot_mapping)
+    k_pages, v_pages = ops.write_kv(*kv, k, v, inputs.slot_mapping, implementation=cfg.kernels)
 
     def attend(q_groups, groups):
         if groups.length.shape[0] == 0:            # static: the bucket has no groups of this kind

@@ -1,0 +1,147 @@
+"""The engine step, lowered for CUDA on a CPU-only host with each Pallas GPU backend, updates every cache buffer in
+place: nothing in it copies a whole KV page array or state pool (the cache sizing assumes the step allocates no
+more with a bigger cache; a copy of the pages of one layer was a 47 GiB allocation on an H200).
+
+Checked on the StableHLO (lowering only, no CUDA compile):
+- every cache buffer is donated and aliased to its output (tf.aliasing_output on the step's arguments);
+- every custom call (Pallas kernel) that returns an array of a cache buffer's type aliases it to an operand;
+- every scatter or gather on a cache buffer indexes its leading dims: XLA:GPU rewrites one indexed on other dims
+  with its operand transposed first (ScatterSimplifier / GatherSimplifier), i.e. a copy of the whole buffer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from cache.device_buffers import allocate_cache_buffers
+from qnext.bench.presets import PRESETS
+from qnext.config import ModelConfig
+from qnext.engine.multi_step import MultiStepInputs, make_multi_step
+from qnext.engine.runner import make_engine_step
+from qnext.model.buckets import BucketTable
+from qnext.model.cache_buffers import cache_layout
+from qnext.model.step_inputs import Segment, build_step_inputs
+from qnext.model.weights import map_specs, param_specs
+from qnext.testing.tiny_checkpoint import tiny_hf_config
+
+BLOCK_SIZE, NUM_BLOCKS, NUM_ROWS = 16, 50, 7      # sizes no other array of the step has
+
+
+def _mlir_type(x) -> str:
+    return f"tensor<{'x'.join(map(str, x.shape))}x{jnp.dtype(x.dtype).name.replace('float', 'f')}>"
+
+
+def _lowered_step(kernels: str, multi_step: bool = False, dtype=jnp.bfloat16):
+    """(StableHLO text, cache buffer types, index of the first cache argument, their count) of the small bench
+    model's step for a mixed bucket (decode rows and 64-token prefill groups), bf16, on CUDA with `kernels`; or of
+    its multi-step decode call (8 steps of 2 rows). float32 pages: the Mosaic backend's attention runs the reference."""
+    preset = PRESETS["small"]                      # real head dims: the Mosaic kernels take these shapes
+    cfg = dataclasses.replace(ModelConfig.from_hf_config(tiny_hf_config(preset.family, **preset.overrides)),
+                              backend="gpu", gpu_kernels=kernels)
+    params = map_specs(lambda _, s: jax.ShapeDtypeStruct(s.shape, s.dtype), param_specs(cfg, jnp.dtype(dtype).name))
+    buffers = jax.eval_shape(lambda: allocate_cache_buffers(cache_layout(cfg, dtype), num_blocks=NUM_BLOCKS,
+                                                            block_size=BLOCK_SIZE, num_state_rows=NUM_ROWS))
+    table = BucketTable(max_num_seqs=4, max_num_batched_tokens=128, max_blocks=8, prefill_chunk=64,
+                        max_prefill_groups_extra=2)
+    if multi_step:
+        bucket = table.decode[1]
+        segments = [Segment([0], 0, [0], -1, 0)] * 2
+        inputs = build_step_inputs(segments, bucket.sizes, block_size=BLOCK_SIZE, chunk=bucket.chunk)
+        traced = make_multi_step(cfg, 8, BLOCK_SIZE).trace(params, buffers, inputs, MultiStepInputs.idle(8, 2), None)
+    else:
+        bucket = next(b for b in table.mixed if b.chunk == 64)
+        segments = [Segment([0], 0, [0], -1, 0), Segment([0] * 2, 0, [0], -1, 0)]
+        inputs = build_step_inputs(segments, bucket.sizes, block_size=BLOCK_SIZE, chunk=bucket.chunk)
+        traced = make_engine_step(cfg).trace(params, buffers, inputs)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    types = {_mlir_type(x) for x in jax.tree.leaves(buffers)}
+    return text, types, len(jax.tree.leaves(params)), len(jax.tree.leaves(buffers))
+
+
+def _leading(dims: str) -> bool:
+    values = [int(d) for d in dims.split(",") if d.strip()]
+    return values == list(range(len(values)))
+
+
+def _step_violations(text: str, cache_types: set[str], first: int, count: int) -> list[str]:
+    bad = []
+    main = re.search(r"func\.func public @main\((.*?)\) ->", text, re.S).group(1)
+    for i in range(first, first + count):
+        arg = re.search(rf"%arg{i}: (tensor<[^>]*>)( \{{[^}}]*\}})?", main)
+        if arg.group(1) not in cache_types or "tf.aliasing_output" not in (arg.group(2) or ""):
+            bad.append(f"step argument {i} ({arg.group(1)}) is not a cache buffer aliased to an output")
+    lines = text.split("\n")
+    for n, line in enumerate(lines):
+        if "stablehlo.custom_call" in line:
+            result_types = re.findall(r"tensor<[^>]*>", line[line.rindex(") -> "):])   # the kernel's blob is before
+            aliased = {int(i or 0) for i in re.findall(r"output_tuple_indices = \[(\d*)\]", line)}
+            target = re.search(r"custom_call @(\S+?)\(", line).group(1)
+            bad += [f"custom call {target} returns a {t} (a cache buffer's type) not aliased to an operand"
+                    for j, t in enumerate(result_types) if t in cache_types and j not in aliased]
+        for op, key, sig in (("scatter", "scatter_dims_to_operand_dims", None), ("gather", "start_index_map", n)):
+            if f'"stablehlo.{op}"' not in line:
+                continue
+            dims = re.search(rf"{key} = \[([0-9, ]*)\]", line).group(1)
+            if sig is None:                          # a scatter's types follow its update region
+                sig = next(m for m in range(n, len(lines)) if lines[m].lstrip().startswith("}) :"))
+            operand = re.search(r"[)>] : \((tensor<[^>]*>)", lines[sig]).group(1)
+            if operand in cache_types and not _leading(dims):
+                bad.append(f"{op} on a cache buffer {operand} indexes dims [{dims}], not its leading dims: "
+                           "XLA:GPU transposes (copies) the whole buffer first")
+    return bad
+
+
+@pytest.mark.parametrize("multi_step", [False, True], ids=["step", "multi_step"])
+@pytest.mark.parametrize("kernels", ["mosaic", "triton"])
+def test_engine_step_updates_every_cache_buffer_in_place_on_cuda(kernels, multi_step):
+    text, cache_types, first, count = _lowered_step(kernels, multi_step)
+    assert ("mosaic_gpu" in text) == (kernels == "mosaic") and ("xla.gpu.triton" in text) == (kernels == "triton")
+    assert _step_violations(text, cache_types, first, count) == []
+
+
+def test_float32_step_with_mosaic_attention_falling_back_updates_the_pages_in_place_on_cuda():
+    """float32 pages: the Mosaic backend's attention runs the reference, whose page gather must index the pages'
+    leading dims too (a loop over spans: a transposed copy of the pages per span)."""
+    text, cache_types, first, count = _lowered_step("mosaic", dtype=jnp.float32)
+    assert _step_violations(text, cache_types, first, count) == []
+
+
+def test_the_check_sees_a_scatter_that_xla_gpu_would_copy():
+    """The scatter form XLA:GPU copies (the pages indexed on block and row for every head) is reported."""
+    import pallas_kernels.paged_attention  # noqa: F401 (the package exports a function of the same name)
+    import sys
+    attn_ops = sys.modules["pallas_kernels.paged_attention"]
+
+    pages = jax.ShapeDtypeStruct((2, NUM_BLOCKS, BLOCK_SIZE, 64), jnp.bfloat16)
+    new = jax.ShapeDtypeStruct((3, 2, 64), jnp.bfloat16)
+    slots = jax.ShapeDtypeStruct((3,), jnp.int32)
+    for write, copies in ((attn_ops.write_kv_reference, True), (attn_ops.write_kv_leading, False)):
+        text = jax.jit(write, donate_argnums=(0, 1)).trace(pages, pages, new, new, slots).lower(
+            lowering_platforms=("cuda",)).as_text()
+        bad = _step_violations(text, {_mlir_type(pages)}, 0, 2)
+        assert bool(bad) == copies and all("scatter" in b for b in bad), bad
+
+
+def test_cache_copies_index_the_pages_leading_dims_on_cuda():
+    """The other jitted functions on the cache buffers (fork copies, host-tier saves and restores) also index
+    the pages on their leading dims, and the donated ones update them in place."""
+    from cache import device_buffers, fork_copies
+
+    layout = device_buffers.CacheLayout(num_kv_layers=1, num_kv_heads=2, head_dim=64, num_state_layers=1,
+                                        conv_width=4, conv_dim=96, num_v_heads=2, k_head_dim=64, v_head_dim=64,
+                                        dtype="bfloat16")
+    buffers = jax.eval_shape(lambda: allocate_cache_buffers(layout, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                                                            num_state_rows=NUM_ROWS))
+    types = {_mlir_type(x) for x in jax.tree.leaves(buffers)}
+    idx = jax.ShapeDtypeStruct((4,), jnp.int32)
+    block_values = [(jax.ShapeDtypeStruct((2, 4, BLOCK_SIZE, 64), jnp.bfloat16),) * 2]
+    cases = [(fork_copies._copy, (buffers, idx, idx, idx, idx), len(jax.tree.leaves(buffers))),
+             (device_buffers._scatter_blocks, (buffers.kv, idx, block_values), 2),
+             (device_buffers._gather_blocks, (buffers.kv, idx), 0)]
+    for fn, args, donated in cases:
+        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert _step_violations(text, types, 0, donated) == [], fn.__name__
