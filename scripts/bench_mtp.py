@@ -85,7 +85,7 @@ def main(argv=None) -> dict:
     batches = [int(b) for b in args.batches.split(",")]
     common = dict(max_num_seqs=max(batches), max_num_batched_tokens=max(256, max(batches) * args.prompt_len),
                   enable_prefix_caching=False, max_model_len=args.prompt_len + args.output_len + 2 * args.k + 16,
-                  dtype=args.dtype)
+                  dtype=args.dtype, kv_cache_memory_bytes=1 << 30)     # two engines share one device
     engines = {"plain": LLM(path, **common),
                "mtp": LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": args.k}, **common)}
     freeze_startup_heap()

@@ -145,3 +145,51 @@ def test_cache_copies_index_the_pages_leading_dims_on_cuda():
     for fn, args, donated in cases:
         text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert _step_violations(text, types, 0, donated) == [], fn.__name__
+
+
+@pytest.mark.parametrize("call", ["speculative_step", "mtp_catch_up"])
+@pytest.mark.parametrize("kernels", ["mosaic", "triton"])
+def test_mtp_calls_update_every_cache_buffer_in_place_on_cuda(kernels, call):
+    """MTP speculative decoding's two calls (qnext/engine/spec_step.py) lower for CUDA and keep every cache buffer,
+    the head's own KV layer included, in place: the verify pass writes no state pool until the kept position's
+    state goes to its row."""
+    import numpy as np
+
+    from qnext.engine.spec_step import (ChainInputs, SpecInputs, make_mtp_catch_up, make_spec_step, verify_inputs,
+                                        window_length)
+    from qnext.model.mtp import init_mtp_params
+
+    preset, dtype, k = PRESETS["small"], jnp.bfloat16, 2
+    cfg = dataclasses.replace(ModelConfig.from_hf_config(tiny_hf_config(preset.family, **preset.overrides)),
+                              backend="gpu", gpu_kernels=kernels)
+    params = map_specs(lambda _, s: jax.ShapeDtypeStruct(s.shape, s.dtype), param_specs(cfg, jnp.dtype(dtype).name))
+    mtp = jax.eval_shape(lambda p: init_mtp_params(p, cfg, jax.random.key(0)), params)
+    buffers = jax.eval_shape(lambda: allocate_cache_buffers(cache_layout(cfg, dtype, 1), num_blocks=NUM_BLOCKS,
+                                                            block_size=BLOCK_SIZE, num_state_rows=NUM_ROWS))
+    if call == "speculative_step":
+        d, length = 2, window_length(k, "gpu")
+        inputs = verify_inputs([], [], [], [], [], d, length, 8, BLOCK_SIZE)
+        spec = SpecInputs(steps=np.zeros(d, np.int32), drafts=np.zeros((d, k), np.int32),
+                          capture_at=np.full(d, -1, np.int32), capture_row=np.zeros(d, np.int32),
+                          stop_ids=np.full((d, 4), -1, np.int32))
+        traced = make_spec_step(cfg, k, BLOCK_SIZE).trace(params, mtp, buffers, inputs, spec, None)
+    else:
+        table = BucketTable(max_num_seqs=4, max_num_batched_tokens=128, max_blocks=8, prefill_chunk=64,
+                            max_prefill_groups_extra=2)
+        bucket = next(b for b in table.mixed if b.chunk == 64)
+        segments = [Segment([0], 0, [0], -1, 0), Segment([0] * 2, 0, [0], -1, 0)]
+        inputs = build_step_inputs(segments, bucket.sizes, block_size=BLOCK_SIZE, chunk=bucket.chunk)
+        s = bucket.sizes
+        hidden = jax.ShapeDtypeStruct((s.num_tokens, cfg.hidden_size), dtype)
+        chain = ChainInputs(block_table=np.zeros((s.num_logits, s.max_blocks), np.int32),
+                            running=np.zeros(s.num_logits, bool))
+        traced = make_mtp_catch_up(cfg, k, BLOCK_SIZE).trace(params, mtp, buffers, inputs,
+                                                             np.zeros(s.num_tokens, np.int32), hidden, chain)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    types = {_mlir_type(x) for x in jax.tree.leaves(buffers)}
+    # weights the call does not read are pruned from its arguments: find the cache buffers by their types
+    main = re.search(r"func\.func public @main\((.*?)\) ->", text, re.S).group(1)
+    cache_args = [m for m in re.finditer(r"%arg\d+: (tensor<[^>]*>)( \{[^}]*\})?", main) if m.group(1) in types]
+    assert len(cache_args) == len(jax.tree.leaves(buffers))
+    assert all("tf.aliasing_output" in (m.group(2) or "") for m in cache_args)
+    assert _step_violations(text, types, 0, 0) == []
