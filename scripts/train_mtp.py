@@ -1,15 +1,19 @@
 """Train a checkpoint's MTP head on the model's own greedy continuations, measure how often its drafts are
 accepted on held-out prompts, and save it into the checkpoint (mtp.safetensors).
 
-    python scripts/train_mtp.py [--preset small | --model DIR] [--steps 300] [--k 2] [--no-save]
+    python scripts/train_mtp.py [--preset small | --model DIR] [--steps N] [--no-save]
 
-1. The engine generates greedy continuations of random prompts (train and held-out sets).
-2. The target's final-normed hidden states come from the dense forward (qnext/model/mtp.py: dense_hidden); the head
-   (initialised from the decoder's last full-attention layer, fc passing the hidden state through) is trained with
-   optax Adam on cross-entropy of x_{t+2} from (x_{t+1}, h_t) over the continuations, the decoder frozen.
-3. Held out: the head's one-step agreement with the model's greedy token (the acceptance rate of the first draft),
-   and the acceptance length (tokens emitted per verify round, 1 + drafts accepted) of the speculative reference
-   loop with k drafts (qnext/engine/spec_decode_reference.py), whose tokens must equal plain greedy decoding's.
+1. The engine generates greedy continuations of random prompts; the held-out prompts are drawn the same way, after
+   the training prompts from the same stream, and never trained on.
+2. The target's final-normed hidden states h_t come from the dense forward (qnext/model/mtp.py: dense_hidden). Slot t
+   of the head takes (x_{t+1}, h_t); its label is the target's own next-token distribution at t + 1, lm_head(h_{t+1})
+   (on the continuation its argmax is x_{t+2}; on prompt slots it is what the model would have said there).
+3. Optionally (--chain-weight) a second pass feeds slot t's own normed hidden state with x_{t+2}, the way the second
+   draft is made, and is trained on x_{t+3} (continuation slots only, where x_{t+2} is the model's greedy token).
+4. Minibatch Adam with warmup and cosine decay, the decoder frozen, float32.
+5. Held out: the head's agreement with the model's greedy token at chain steps 1 and 2, and the acceptance length
+   (tokens emitted per verify round, 1 + drafts accepted) of the speculative reference loop
+   (qnext/engine/spec_decode_reference.py) for each k, whose tokens must equal plain greedy decoding's.
 """
 from __future__ import annotations
 
@@ -26,103 +30,196 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint directory (default: the --preset bench checkpoint)")
-    p.add_argument("--preset", default="tiny", help="bench preset when --model is not given")
+    p.add_argument("--preset", default="small", help="bench preset when --model is not given")
     p.add_argument("--out-dir", default="bench_out", help="where bench checkpoints are written")
     p.add_argument("--prompts", type=int, default=1024, help="training prompts")
-    p.add_argument("--held-out", type=int, default=8, help="held-out prompts")
+    p.add_argument("--held-out", type=int, default=64, help="held-out prompts (agreement)")
+    p.add_argument("--held-out-loop", type=int, default=4,
+                   help="of those, how many the speculative reference loop runs (acceptance length; slow)")
     p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--gen-len", type=int, default=32)
-    p.add_argument("--steps", type=int, default=80, help="full-batch Adam steps (more overfit the tiny demo)")
-    p.add_argument("--learning-rate", type=float, default=3e-3)
-    p.add_argument("--k", type=int, default=2, help="drafts per verify round in the acceptance measurement")
+    p.add_argument("--gen-len", type=int, default=48)
+    p.add_argument("--steps", type=int, default=300, help="minibatch Adam steps")
+    p.add_argument("--batch", type=int, default=16, help="sequences per step")
+    p.add_argument("--learning-rate", type=float, default=1e-3, help="peak; linear warmup, then cosine decay")
+    p.add_argument("--chain-weight", type=float, default=0.0, help="weight of the chained (second draft) loss")
+    p.add_argument("--hard-labels", action="store_true", help="train on the argmax token, not the distribution")
+    p.add_argument("--k", type=int, nargs="+", default=[1, 2, 3], help="drafts per verify round to measure")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-save", action="store_true", help="do not write mtp.safetensors into the checkpoint")
     return p.parse_args(argv)
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
+def continuations(path, cfg, params, n: int, prompt_len: int, gen_len: int, seed: int, spare: int = 8):
+    """(token ids [n, prompt_len + gen_len]: random prompts and their greedy continuations, the target's
+    final-normed hidden states [n, T, H] over them)."""
     import jax
     import jax.numpy as jnp
-    import optax
 
     from qnext import LLM, SamplingParams
+    from qnext.model.mtp import dense_hidden
+
+    prompts = np.random.default_rng(seed).integers(3, cfg.vocab_size, (n, prompt_len)).tolist()
+    llm = LLM(path, max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=prompt_len + gen_len + spare)
+    greedy = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+    seqs = np.array([p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)], np.int32)
+    del llm
+    hidden_of = jax.jit(lambda params, ids: dense_hidden(params, ids, cfg)[0])
+    chunk = 32
+    padded = np.concatenate([seqs, np.repeat(seqs[:1], -n % chunk, 0)])
+    hidden = np.concatenate([np.asarray(hidden_of(params, jnp.asarray(padded[i:i + chunk])))
+                             for i in range(0, len(padded), chunk)])[:n]
+    return seqs, hidden
+
+
+class Trainer:
+    """The head's losses, its held-out agreement, and minibatch Adam over (ids [N, T], target hidden [N, T, H])."""
+
+    def __init__(self, params, cfg, prompt_len: int, seq_len: int, *, chain_weight=0.0, hard_labels=False):
+        import jax
+        import jax.numpy as jnp
+        import optax
+
+        from qnext.model.linear import linear
+        from qnext.model.mtp import mtp_forward
+
+        # the decoder's weights go in as arguments: closed over, XLA would constant-fold through them
+        self.shared = {"embed": params["embed"], "lm_head": params["lm_head"]}
+        T = seq_len
+        chain_mask = (np.arange(1, T - 1) + 1 >= prompt_len).astype(np.float32)   # chained slot u: x_{u+1} greedy
+        eval_mask = (np.arange(T - 2) + 2 >= prompt_len).astype(np.float32)       # slot t: x_{t+2} generated
+
+        def loss_fn(mtp, shared, ids, h):                     # ids [B, T], h [B, T, H]
+            target = jax.lax.stop_gradient(linear(h[:, 1:], shared["lm_head"], preferred_element_type=jnp.float32))
+            labels = (jax.nn.one_hot(target.argmax(-1), target.shape[-1]) if hard_labels
+                      else jax.nn.softmax(target))           # [B, T-1, V]: the target at positions 1..T-1
+            logits1, own = mtp_forward(shared, mtp, ids[:, 1:], h[:, :-1], cfg)
+            loss = optax.softmax_cross_entropy(logits1, labels).mean()
+            if chain_weight:
+                logits2, _ = mtp_forward(shared, mtp, ids[:, 2:], own[:, :-1], cfg)
+                ce2 = optax.softmax_cross_entropy(logits2, labels[:, 1:])
+                loss = loss + chain_weight * (ce2 * chain_mask).sum() / (chain_mask.sum() * ids.shape[0])
+            return loss
+
+        def agreement(mtp, shared, ids, h):
+            logits1, own = mtp_forward(shared, mtp, ids[:, 1:-1], h[:, :-2], cfg)
+            hit1 = (logits1.argmax(-1) == ids[:, 2:]).astype(jnp.float32)
+            logits2, _ = mtp_forward(shared, mtp, ids[:, 2:-1], own[:, :-1], cfg)
+            hit2 = (logits2.argmax(-1) == ids[:, 3:]).astype(jnp.float32)
+            m1, m2 = eval_mask, chain_mask[:-1] * eval_mask[1:]
+            return (hit1 * m1).sum() / (m1.sum() * ids.shape[0]), (hit2 * m2).sum() / (m2.sum() * ids.shape[0])
+
+        self.loss_fn, self._agreement = loss_fn, jax.jit(agreement)
+
+    def agreement(self, mtp, ids, hidden) -> tuple[float, float]:
+        """Agreement with the greedy continuation at chain steps 1 and 2 (the first and second draft)."""
+        import jax.numpy as jnp
+
+        a1, a2 = self._agreement(mtp, self.shared, jnp.asarray(ids), jnp.asarray(hidden))
+        return float(a1), float(a2)
+
+    def train(self, mtp, ids, hidden, *, steps: int, batch: int, learning_rate: float, seed: int = 0,
+              report=None):
+        import jax
+        import jax.numpy as jnp
+        import optax
+
+        schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(1, steps // 20), steps,
+                                                      learning_rate * 0.05)
+        opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule))
+        state = opt.init(mtp)
+
+        @jax.jit
+        def step(mtp, state, shared, ids, h):
+            loss, grads = jax.value_and_grad(self.loss_fn)(mtp, shared, ids, h)
+            updates, state = opt.update(grads, state, mtp)
+            return optax.apply_updates(mtp, updates), state, loss
+
+        order = np.random.default_rng(seed + 1)
+        perm, pos = order.permutation(len(ids)), 0
+        for i in range(steps):
+            if pos + batch > len(ids):
+                perm, pos = order.permutation(len(ids)), 0
+            idx = np.sort(perm[pos:pos + batch])
+            pos += batch
+            mtp, state, loss = step(mtp, state, self.shared, jnp.asarray(ids[idx]), jnp.asarray(hidden[idx]))
+            if report:
+                report(i + 1, mtp, float(loss))
+        return mtp
+
+
+def acceptance_lengths(params, mtp, cfg, prompts, gen_len: int, ks) -> dict[int, tuple[float, int]]:
+    """{k: (mean tokens per verify round, rounds)} of the speculative reference loop over the prompts; raises if its
+    tokens differ from plain greedy decoding's."""
+    from qnext.engine.spec_decode_reference import mtp_draft, plain_greedy, speculative_greedy
+
+    length = len(prompts[0]) + gen_len + max(ks) + 1
+    draft = mtp_draft(params, mtp, cfg, length)
+    want = [plain_greedy(params, cfg, p, gen_len, length) for p in prompts]
+    out = {}
+    for k in ks:
+        accepted = []
+        for prompt, w in zip(prompts, want):
+            got, acc = speculative_greedy(params, cfg, prompt, gen_len, k, draft, length)
+            if got != w:
+                raise AssertionError(f"speculative decoding with k={k} changed the greedy tokens of {prompt}")
+            accepted += acc
+        out[k] = (1 + float(np.mean(accepted)), len(accepted))
+    return out
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if not 0 <= args.held_out_loop <= args.held_out:
+        raise ValueError(f"--held-out-loop {args.held_out_loop} must be within 0..--held-out {args.held_out}")
+    import jax
+
     from qnext.bench.presets import bench_checkpoint
     from qnext.config import ModelConfig
-    from qnext.engine.spec_decode_reference import mtp_draft, plain_greedy, speculative_greedy
     from qnext.model.loader import load_params
-    from qnext.model.mtp import dense_hidden, init_mtp_params, mtp_forward, save_mtp_params
+    from qnext.model.mtp import init_mtp_params, save_mtp_params
 
     start = time.perf_counter()
     path = Path(args.model) if args.model else bench_checkpoint(args.preset, args.out_dir)
     cfg = ModelConfig.from_pretrained(path)
     params = load_params(path, cfg)
-    total, p_len = args.prompts + args.held_out, args.prompt_len
-    rng = np.random.default_rng(0)
-    prompts = rng.integers(3, cfg.vocab_size, (total, p_len)).tolist()
-    llm = LLM(path, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=p_len + args.gen_len + args.k + 8)
-    greedy = SamplingParams(temperature=0.0, max_tokens=args.gen_len, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
-    seqs = np.array([p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)], np.int32)   # [N, T]
-    del llm
-    train, held = seqs[:args.prompts], seqs[args.prompts:]
-    hidden_of = jax.jit(lambda params, ids: dense_hidden(params, ids, cfg)[0])
-    h_train, h_held = hidden_of(params, jnp.asarray(train)), hidden_of(params, jnp.asarray(held))
-    # slot t: (x_{t+1}, h_t) -> x_{t+2}; the loss and agreement cover slots whose label is a generated token
+    n = args.prompts
+    seqs, hidden = continuations(path, cfg, params, n + args.held_out, args.prompt_len, args.gen_len, args.seed,
+                                 spare=max(args.k) + 8)
+    held_ids, held_h = seqs[n:], hidden[n:]
+    data_s = time.perf_counter() - start
+    trainer = Trainer(params, cfg, args.prompt_len, seqs.shape[1], chain_weight=args.chain_weight,
+                      hard_labels=args.hard_labels)
+    mtp = init_mtp_params(params, cfg, jax.random.key(args.seed))
+    before = trainer.agreement(mtp, held_ids, held_h)
+    print(f"{len(seqs)} greedy continuations and their hidden states ({data_s:.0f} s); held-out agreement before "
+          f"training: first draft {before[0]:.3f}, chained second {before[1]:.3f}")
+    t0 = time.perf_counter()
 
-    # the decoder's weights go in as arguments: closed over, XLA would constant-fold through them
-    shared = {"embed": params["embed"], "lm_head": params["lm_head"]}
+    def report(i, mtp, loss):
+        if i % max(1, args.steps // 8) == 0:
+            a1, a2 = trainer.agreement(mtp, held_ids, held_h)
+            print(f"step {i}: loss {loss:.4f}, held-out agreement {a1:.3f} / {a2:.3f} "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
 
-    def loss_fn(mtp, shared, ids, hidden):
-        logits, _ = mtp_forward(shared, mtp, ids[:, 1:-1], hidden[:, :-2], cfg)
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 2:])
-        mask = (jnp.arange(ids.shape[1] - 2) + 2 >= p_len).astype(jnp.float32)
-        return (ce * mask).sum() / (mask.sum() * ids.shape[0])
-
-    @jax.jit
-    def agreement(mtp, shared, ids, hidden):
-        logits, _ = mtp_forward(shared, mtp, ids[:, 1:-1], hidden[:, :-2], cfg)
-        hit = (jnp.argmax(logits, -1) == ids[:, 2:]).astype(jnp.float32)
-        mask = (jnp.arange(ids.shape[1] - 2) + 2 >= p_len).astype(jnp.float32)
-        return (hit * mask).sum() / (mask.sum() * ids.shape[0])
-
-    mtp = init_mtp_params(params, cfg, jax.random.key(0))
-    opt = optax.adam(args.learning_rate)
-    state = opt.init(mtp)
-
-    @jax.jit
-    def step(mtp, state, shared, ids, hidden):
-        loss, grads = jax.value_and_grad(loss_fn)(mtp, shared, ids, hidden)
-        updates, state = opt.update(grads, state, mtp)
-        return optax.apply_updates(mtp, updates), state, loss
-
-    held_ids = jnp.asarray(held)
-    before = float(agreement(mtp, shared, held_ids, h_held))
-    print(f"held-out first-draft agreement before training: {before:.3f}")
-    ids = jnp.asarray(train)
-    for i in range(args.steps):
-        mtp, state, loss = step(mtp, state, shared, ids, h_train)
-        if (i + 1) % max(1, args.steps // 6) == 0:
-            print(f"step {i + 1}: loss {float(loss):.4f}, held-out agreement "
-                  f"{float(agreement(mtp, shared, held_ids, h_held)):.3f}")
-    after = float(agreement(mtp, shared, held_ids, h_held))
-
-    length = p_len + args.gen_len + args.k + 1
-    draft = mtp_draft(params, mtp, cfg, length)
-    accepted, equal = [], True
-    for p in held.tolist():
-        prompt = p[:p_len]
-        got, acc = speculative_greedy(params, cfg, prompt, args.gen_len, args.k, draft, length)
-        equal &= got == plain_greedy(params, cfg, prompt, args.gen_len, length)
-        accepted += acc
-    acceptance_length = 1 + float(np.mean(accepted))
-    print(f"held-out first-draft agreement after training: {after:.3f} (before {before:.3f})")
-    print(f"acceptance length with k={args.k}: {acceptance_length:.2f} tokens per verify round "
-          f"({len(accepted)} rounds; tokens equal plain greedy: {equal})")
+    mtp = trainer.train(mtp, seqs[:n], hidden[:n], steps=args.steps, batch=args.batch,
+                        learning_rate=args.learning_rate, seed=args.seed, report=report)
+    train_min = (time.perf_counter() - t0) / 60
+    after = trainer.agreement(mtp, held_ids, held_h)
+    print(f"trained {args.steps} steps of {args.batch} sequences in {train_min:.1f} min; held-out ({args.held_out} "
+          f"prompts) agreement: first draft {after[0]:.3f} (before {before[0]:.3f}), chained second {after[1]:.3f}")
+    acceptance = {}
+    if args.held_out_loop:
+        loop = held_ids[:args.held_out_loop, :args.prompt_len].tolist()
+        acceptance = acceptance_lengths(params, mtp, cfg, loop, args.gen_len, args.k)
+        for k, (a, rounds) in acceptance.items():
+            print(f"k={k}: acceptance length {a:.2f} tokens per verify round ({rounds} rounds over {len(loop)} "
+                  f"held-out prompts; tokens equal plain greedy)")
     if not args.no_save:
         print(f"saved {save_mtp_params(path, mtp, cfg)}")
-    print(f"{time.perf_counter() - start:.0f} s")
-    return {"agreement_before": before, "agreement_after": after, "acceptance_length": acceptance_length,
-            "tokens_equal": equal}
+    print(f"total {time.perf_counter() - start:.0f} s")
+    return {"agreement_before": before[0], "agreement_after": after[0], "chained_agreement": after[1],
+            "acceptance_length": {k: a for k, (a, _) in acceptance.items()}, "train_minutes": train_min}
 
 
 if __name__ == "__main__":
