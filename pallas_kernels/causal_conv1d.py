@@ -24,7 +24,7 @@ def _write_rows(conv_state, tails, write_row, is_last, capture_row):
     return conv_state.at[jnp.where(capture_row > 0, capture_row, nowhere)].set(tails, mode="drop")
 
 
-def _conv_silu(ext, weight):
+def conv_silu(ext, weight):
     """ext [..., L + K - 1, D], weight [D, K] -> silu(conv) [..., L, D] in float32."""
     width = weight.shape[1]
     length = ext.shape[-2] - width + 1
@@ -56,7 +56,7 @@ def causal_conv1d_chunked_reference(x, weight, conv_state, length, read_row, wri
     for _ in range(halo_len):
         previous = jnp.concatenate([jnp.zeros_like(halo[:1]), tails_of(halo)[:-1]], axis=0)
         halo = jnp.where(is_first[:, None, None], init, previous)
-    y = _conv_silu(jnp.concatenate([halo, x], axis=1), weight)
+    y = conv_silu(jnp.concatenate([halo, x], axis=1), weight)
     valid = jnp.arange(c)[None, :, None] < length[:, None, None]
     y = jnp.where(valid, y, 0.0).astype(x.dtype)
     return y, _write_rows(conv_state, tails_of(halo), write_row, is_last, capture_row)
@@ -69,5 +69,5 @@ def causal_conv1d_update_reference(x, weight, conv_state, read_row, write_row, c
     # re-reads the state for the output and copies the whole pool twice to update it in place (49 rows: 0.3 -> 0.05
     # ms a layer); no change from 2 rows on.
     window = jax.lax.optimization_barrier(window)
-    y = _conv_silu(window, weight)[:, 0].astype(x.dtype)
+    y = conv_silu(window, weight)[:, 0].astype(x.dtype)
     return y, _write_rows(conv_state, window[:, 1:], write_row, jnp.ones_like(read_row, bool), capture_row)

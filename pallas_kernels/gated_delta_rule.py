@@ -33,7 +33,7 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 _IN_PLACE_ROW_BYTES = 1 << 16      # decode: state rows from this size are updated in place (see below)
 
 
-def _expand_heads(x, num_v_heads):
+def expand_heads(x, num_v_heads):
     """[..., Hk, d] -> [..., Hv, d]: v head h uses q/k head h // r (repeat_interleave, not tile)."""
     r = num_v_heads // x.shape[-2]
     return x if r == 1 else jnp.repeat(x, r, axis=-2)
@@ -190,7 +190,7 @@ def recurrent_gated_delta_rule_reference(q, k, v, g, beta, state, read_row, writ
     (live rows are distinct; restored snapshot rows are not written)."""
     hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
     f32 = jnp.float32
-    q, k = _expand_heads(q.astype(f32), hv), _expand_heads(k.astype(f32), hv)
+    q, k = expand_heads(q.astype(f32), hv), expand_heads(k.astype(f32), hv)
     v, beta = v.astype(f32), beta.astype(f32)
     decay = jnp.exp(g.astype(f32))                                           # [N, Hv]
     if not _big_rows(state):
@@ -232,7 +232,7 @@ def gated_delta_rule_token_scan(q, k, v, g, beta, initial_state=None):
     """Token-by-token oracle for ONE sequence: q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv].
     Returns (o [T, Hv, dv], final state [Hv, dk, dv]), all float32."""
     hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
-    q, k = _expand_heads(q.astype(jnp.float32), hv), _expand_heads(k.astype(jnp.float32), hv)
+    q, k = expand_heads(q.astype(jnp.float32), hv), expand_heads(k.astype(jnp.float32), hv)
     s0 = jnp.zeros((hv, dk, dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
 
     def step(s, xs):

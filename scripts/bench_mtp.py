@@ -6,11 +6,12 @@ speedup that acceptance length should give on this machine from the measured ste
                                                     t_decode: a plain decode step; t_spec: a speculative step
                                                     (verify pass over k + 1 positions + the head's k drafts)
 
-Prompts are random tokens drawn apart from train_mtp.py's (held out); both engines must emit the same tokens (greedy),
-which the bench checks. Runs alternate plain / MTP and the best of --repeats is kept.
+Prompts are random tokens drawn apart from train_mtp.py's (held out); the engines must emit the same tokens (greedy),
+which the bench checks. Each MTP engine runs twice: with its head's drafts, and with oracle drafts (the plain run's
+own next tokens: every draft agrees), the ceiling of what the step itself can give. Best of --repeats.
 
     python scripts/train_mtp.py --preset small          # once: trains and saves the head into the checkpoint
-    python scripts/bench_mtp.py [--preset small] [--k 2] [--batches 1,16] [--json-out FILE]
+    python scripts/bench_mtp.py [--preset small] [--k 2,3] [--batches 1,16] [--json-out FILE]
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def parse_args(argv=None):
     p.add_argument("--preset", default="small")
     p.add_argument("--model", help="checkpoint directory with an MTP head (default: the --preset bench checkpoint)")
     p.add_argument("--out-dir", default="bench_out")
-    p.add_argument("--k", type=int, default=2, help="num_speculative_tokens")
+    p.add_argument("--k", default="2", help="num_speculative_tokens, or a comma list (one engine each)")
     p.add_argument("--batches", default="1,16")
     p.add_argument("--prompt-len", type=int, default=16, help="as train_mtp.py's prompts")
     p.add_argument("--output-len", type=int, default=48)
@@ -70,6 +71,24 @@ def run(llm, prompts: list[list[int]], output_len: int) -> dict:
             "num_steps": {k: len(v) for k, v in steps.items()}}
 
 
+def best_of(llm, prompts, output_len: int, repeats: int, oracle=None) -> dict:
+    """The fastest of `repeats` runs, with the acceptance length over all of them; oracle: (continuations, k)."""
+    from qnext.bench.oracle_drafts import continuation_drafts, override_drafts
+
+    stats = llm.engine.stats
+    rows, accepted = stats.num_spec_rows, stats.num_accepted_draft_tokens
+    restore = override_drafts(llm, continuation_drafts(*oracle)) if oracle else None
+    try:
+        runs = [run(llm, prompts, output_len) for _ in range(repeats)]
+    finally:
+        if restore:
+            restore()
+    best = max(runs, key=lambda r: r["tok_s"])
+    spec_rows = stats.num_spec_rows - rows
+    best["acceptance_length"] = 1 + (stats.num_accepted_draft_tokens - accepted) / spec_rows if spec_rows else None
+    return best
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from qnext import LLM
@@ -82,43 +101,38 @@ def main(argv=None) -> dict:
     cfg = ModelConfig.from_pretrained(path)
     if load_mtp_params(path, cfg) is None:
         raise SystemExit(f"{path} has no MTP head: run `python scripts/train_mtp.py --preset {args.preset}` first")
-    batches = [int(b) for b in args.batches.split(",")]
+    batches, ks = [int(b) for b in args.batches.split(",")], [int(k) for k in str(args.k).split(",")]
     common = dict(max_num_seqs=max(batches), max_num_batched_tokens=max(256, max(batches) * args.prompt_len),
-                  enable_prefix_caching=False, max_model_len=args.prompt_len + args.output_len + 2 * args.k + 16,
-                  dtype=args.dtype, kv_cache_memory_bytes=1 << 30)     # two engines share one device
-    engines = {"plain": LLM(path, **common),
-               "mtp": LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": args.k}, **common)}
+                  enable_prefix_caching=False, max_model_len=args.prompt_len + args.output_len + 2 * max(ks) + 16,
+                  dtype=args.dtype, kv_cache_memory_bytes=1 << 30)     # several engines share one device
+    plain = LLM(path, **common)
+    spec = {k: LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **common) for k in ks}
     freeze_startup_heap()
     rng = np.random.default_rng(12345)           # train_mtp.py draws its prompts from seed 0
-    report = {"model": str(path), "k": args.k, "prompt_len": args.prompt_len, "output_len": args.output_len,
-              "dtype": args.dtype, "rows": []}
+    report = {"model": str(path), "prompt_len": args.prompt_len, "output_len": args.output_len, "dtype": args.dtype,
+              "rows": []}
     for b in batches:
         prompts = rng.integers(3, cfg.vocab_size, (b, args.prompt_len)).tolist()
-        for llm in engines.values():                            # compile this batch's shapes, untimed
+        for llm in [plain, *spec.values()]:                     # compile this batch's shapes, untimed
             run(llm, prompts, 4)
-        best = {}
-        for _ in range(args.repeats):
-            for name, llm in engines.items():
-                before = (llm.engine.stats.num_spec_rows, llm.engine.stats.num_accepted_draft_tokens)
-                r = run(llm, prompts, args.output_len)
-                rows = llm.engine.stats.num_spec_rows - before[0]
-                accepted = llm.engine.stats.num_accepted_draft_tokens - before[1]
-                r["acceptance_length"] = 1 + accepted / rows if rows else None
-                if name not in best or r["tok_s"] > best[name]["tok_s"]:
-                    best[name] = r
-        plain, mtp = best["plain"], best["mtp"]
-        a = mtp["acceptance_length"]
-        t_decode, t_spec = plain["steps"]["decode"], mtp["steps"]["spec"]
-        row = {"batch": b, "plain_tok_s": plain["tok_s"], "mtp_tok_s": mtp["tok_s"],
-               "speedup": mtp["tok_s"] / plain["tok_s"], "acceptance_length": a,
-               "t_decode_ms": t_decode * 1e3, "t_spec_ms": t_spec * 1e3 if t_spec else None,
-               "expected_speedup": a * t_decode / t_spec if a and t_spec else None,
-               "tokens_equal": plain["tokens"] == mtp["tokens"], "mtp_steps": mtp["num_steps"]}
-        report["rows"].append(row)
-        print(f"batch {b:>3}: plain {row['plain_tok_s']:7.1f} tok/s | MTP k={args.k} {row['mtp_tok_s']:7.1f} tok/s "
-              f"| {row['speedup']:.2f}x | acceptance length {a:.2f} | decode step {row['t_decode_ms']:.1f} ms, "
-              f"speculative step {row['t_spec_ms']:.1f} ms -> expected {row['expected_speedup']:.2f}x "
-              f"| tokens equal: {row['tokens_equal']}", flush=True)
+        base = best_of(plain, prompts, args.output_len, args.repeats)
+        t_decode = base["steps"]["decode"]
+        continuations = {tuple(p): t for p, t in zip(prompts, base["tokens"])}
+        for k, llm in spec.items():
+            for drafts in ("head", "oracle"):
+                oracle = (continuations, k) if drafts == "oracle" else None
+                r = best_of(llm, prompts, args.output_len, args.repeats, oracle)
+                a, t_spec = r["acceptance_length"], r["steps"]["spec"]
+                row = {"batch": b, "k": k, "drafts": drafts, "plain_tok_s": base["tok_s"], "mtp_tok_s": r["tok_s"],
+                       "speedup": r["tok_s"] / base["tok_s"], "acceptance_length": a,
+                       "t_decode_ms": t_decode * 1e3, "t_spec_ms": t_spec * 1e3 if t_spec else None,
+                       "expected_speedup": a * t_decode / t_spec if a and t_spec else None,
+                       "tokens_equal": r["tokens"] == base["tokens"], "steps": r["num_steps"]}
+                report["rows"].append(row)
+                print(f"batch {b:>3} k={k} {drafts:>6} drafts: plain {row['plain_tok_s']:7.1f} tok/s | MTP "
+                      f"{row['mtp_tok_s']:7.1f} tok/s | {row['speedup']:.2f}x | acceptance length {a:.2f} | decode "
+                      f"step {row['t_decode_ms']:.1f} ms, speculative step {row['t_spec_ms']:.1f} ms -> expected "
+                      f"{row['expected_speedup']:.2f}x | tokens equal: {row['tokens_equal']}", flush=True)
     if args.json_out:
         args.json_out.write_text(json.dumps(report, indent=1))
     return report

@@ -8,6 +8,7 @@ import jax
 import pytest
 
 from qnext import LLM, SamplingParams
+from qnext.bench.oracle_drafts import override_drafts
 from qnext.config import ModelConfig
 from qnext.model.loader import load_params
 from qnext.model.mtp import init_mtp_params, save_mtp_params
@@ -69,21 +70,6 @@ def plain(checkpoint):
     return LLM(checkpoint, **OPTIONS)
 
 
-def force_drafts(llm, oracle):
-    """Replaces the head's drafts after every step by oracle(seq) (the MTP layer still runs and writes its KV)."""
-    scheduler = llm.engine.scheduler
-    postprocess = scheduler.postprocess
-
-    def overriding(plan, result):
-        updated, generated = postprocess(plan, result)
-        for seq in scheduler.running:
-            if seq.draft_token_ids:
-                seq.draft_token_ids = oracle(seq)
-        return updated, generated
-
-    scheduler.postprocess = overriding
-
-
 @pytest.mark.parametrize("forced", ["accept", "reject"])
 def test_forced_acceptance_and_rejection_equal_plain_decoding(checkpoint, plain, forced):
     batch = prompts(4, offset=100)
@@ -96,7 +82,7 @@ def test_forced_acceptance_and_rejection_equal_plain_decoding(checkpoint, plain,
         return future if forced == "accept" else [(t + 1) % vocab for t in future]
 
     spec = LLM(checkpoint, speculative_config=SPEC, **OPTIONS)
-    force_drafts(spec, oracle)
+    override_drafts(spec, oracle)
     assert tokens(spec.generate(batch, GREEDY)) == list(want.values())
     stats = spec.engine.stats
     if forced == "accept":           # whole windows kept, but where max_tokens cuts the last one
