@@ -160,9 +160,7 @@ class ModelRunner:
                                [it.segment.write_row for it in plan.items],
                                [it.segment.block_table for it in plan.items], [it.start for it in plan.items],
                                d, length, plan.bucket.sizes.max_blocks, self.config.block_size)
-        width = 4
-        while width < max(len(ids) for ids in multi.stop_ids):
-            width *= 2
+        width = _stop_id_width(multi.stop_ids)
         spec = dict(steps=np.zeros(d, np.int32), drafts=np.zeros((d, k), np.int32),
                     capture_at=np.full(d, -1, np.int32), capture_row=np.zeros(d, np.int32),
                     stop_ids=np.full((d, width), -1, np.int32))
@@ -237,9 +235,7 @@ class ModelRunner:
         inputs = build_step_inputs([it.segment for it in plan.items], sizes, block_size=self.config.block_size,
                                    chunk=plan.bucket.chunk)
         d, m = sizes.num_decode, len(plan.items)
-        width = 4
-        while width < max(len(ids) for ids in multi.stop_ids):     # a few widths, each one compilation
-            width *= 2
+        width = _stop_id_width(multi.stop_ids)
         steps = MultiStepInputs.idle(self.config.num_scheduler_steps, d, width)
         steps.steps[:m] = multi.steps
         for i, (rows, ids) in enumerate(zip(multi.captures, multi.stop_ids)):
@@ -373,6 +369,14 @@ class ModelRunner:
             if on_bucket is not None:
                 on_bucket()
         return buffers
+
+
+def _stop_id_width(stop_ids: list[list[int]]) -> int:
+    """Columns of a call's stop-id table: a power of two from 4 (a few widths, each one compilation)."""
+    width = 4
+    while width < max(len(ids) for ids in stop_ids):
+        width *= 2
+    return width
 
 
 def _idle_spec_inputs(d: int, k: int) -> SpecInputs:
