@@ -1,7 +1,8 @@
 """MTP speculative decoding in the engine (speculative_config): greedy tokens equal plain decoding's on the three
 families at batch 1 and 8, with the prefix cache on (a second turn served from it), under preemption and with the
-host tier; drafts forced all accepted and all rejected give plain decoding's tokens too; sampled rows run; and the
-options that cannot combine with it are refused."""
+host tier; drafts forced all accepted and all rejected give plain decoding's tokens too; sampled rows run; the
+server over an MTP engine answers the openai SDK with plain decoding's text; and the options that cannot combine
+with it are refused."""
 from __future__ import annotations
 
 import jax
@@ -119,6 +120,27 @@ def test_sampled_rows_speculate_and_are_reproducible_by_seed(checkpoint):
     again = tokens(spec.generate(prompts(3), params))
     assert first == again and all(len(t) == 16 for t in first)
     assert spec.engine.stats.num_spec_rows > 0
+
+
+def test_server_with_mtp_answers_the_openai_sdk_as_plain_decoding(checkpoint, plain):
+    import openai
+
+    from qnext.server.app import build_app
+    from qnext.testing.inprocess_server import serve_in_thread
+
+    texts = ["The keeper of the lighthouse", "Ships at sea in a storm"]
+    want = [o.outputs[0].text for o in plain.generate(texts, GREEDY)]
+    spec = LLM(checkpoint, speculative_config=SPEC, **OPTIONS)
+    greedy = dict(model="m", temperature=0.0, max_tokens=GREEDY.max_tokens, extra_body={"ignore_eos": True})
+    with serve_in_thread(build_app(spec.engine, model_name="m")) as base_url, \
+            openai.OpenAI(base_url=base_url + "/v1", api_key="unused", timeout=120, max_retries=0) as client:
+        assert [client.completions.create(prompt=t, **greedy).choices[0].text for t in texts] == want
+        chunks = client.completions.create(prompt=texts[1], stream=True, **greedy)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want[1]
+        sampled = client.completions.create(prompt=texts[0], model="m", n=2, seed=3, temperature=0.9,
+                                            max_tokens=8, extra_body={"ignore_eos": True})
+        assert sorted(c.index for c in sampled.choices) == [0, 1] and sampled.usage.completion_tokens == 16
+    assert spec.engine.stats.num_spec_rows > 0 and spec.engine.stats.num_draft_tokens > 0
 
 
 def test_refused_combinations_say_why(checkpoint, tiny_checkpoint):

@@ -9,11 +9,10 @@ import time
 import httpx
 import openai
 import pytest
-import uvicorn
 
 import qnext
 from qnext.server.app import build_app
-from qnext.server.launch import free_port
+from qnext.testing.inprocess_server import serve_in_thread
 from qnext.testing.tiny_checkpoint import demo_checkpoint_dir
 
 MODEL = "tiny"
@@ -53,21 +52,11 @@ def served():
                  "chat": llm.chat(CHAT, params)[0].outputs[0].text}
     engine = ControlledEngine(llm.engine)
     app = build_app(engine, model_name=MODEL, max_waiting_requests=2)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the in-process server did not start"
-            time.sleep(0.05)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://127.0.0.1:{port}", engine, reference
-    finally:
-        engine.gate.set()
-        server.should_exit = True
-        thread.join(30)
-        assert not thread.is_alive(), "the in-process server did not stop"
+    with serve_in_thread(app) as base_url:
+        try:
+            yield base_url, engine, reference
+        finally:
+            engine.gate.set()      # a held step must not keep the server from stopping
 
 
 def test_greedy_over_http_equals_llm_generate(served):

@@ -160,21 +160,18 @@ class ModelRunner:
                                [it.segment.write_row for it in plan.items],
                                [it.segment.block_table for it in plan.items], [it.start for it in plan.items],
                                d, length, plan.bucket.sizes.max_blocks, self.config.block_size)
-        width = _stop_id_width(multi.stop_ids)
-        spec = dict(steps=np.zeros(d, np.int32), drafts=np.zeros((d, k), np.int32),
-                    capture_at=np.full(d, -1, np.int32), capture_row=np.zeros(d, np.int32),
-                    stop_ids=np.full((d, width), -1, np.int32))
-        spec["steps"][:m] = multi.steps
-        spec["drafts"][:m] = plan.drafts
+        spec = SpecInputs.padding(d, k, _stop_id_width(multi.stop_ids))
+        spec.steps[:m] = multi.steps
+        spec.drafts[:m] = plan.drafts
         for i, (rows, ids) in enumerate(zip(multi.captures, multi.stop_ids)):
             for step, row in rows.items():
-                spec["capture_at"][i], spec["capture_row"][i] = step, row
-            spec["stop_ids"][i, :len(ids)] = ids
+                spec.capture_at[i], spec.capture_row[i] = step, row
+            spec.stop_ids[i, :len(ids)] = ids
         rows = _sampling_rows(plan.items)
         sampling = None if all(r.params.greedy for r in rows) else self.sampler_inputs.build(rows, d)[0]
         t1 = time.perf_counter()
         tokens, ran, drafts, buffers = self._spec_step(self.params, self.mtp, plan.buffers, inputs,
-                                                       SpecInputs(**spec), sampling)
+                                                       spec, sampling)
         tokens, ran, drafts = np.asarray(tokens)[:m].T, np.asarray(ran)[:m], np.asarray(drafts)[:m].tolist()
         s = self.stats
         s.num_spec_rows += m
@@ -333,10 +330,10 @@ class ModelRunner:
             d = s.num_decode
             verify = verify_inputs([], [], [], [], [], d, window_length(k, self.cfg.backend), s.max_blocks,
                                    self.config.block_size)
-            _, _, _, buffers = self._spec_step(self.params, self.mtp, buffers, verify, _idle_spec_inputs(d, k), None)
+            _, _, _, buffers = self._spec_step(self.params, self.mtp, buffers, verify, SpecInputs.padding(d, k), None)
             tensors, _ = self.sampler_inputs.build([SamplingRow("warm-up", _WARM_UP_SAMPLING[1], [0], [], 0)], d)
             self.sampler_inputs.free("warm-up")
-            _, _, _, buffers = self._spec_step(self.params, self.mtp, buffers, verify, _idle_spec_inputs(d, k),
+            _, _, _, buffers = self._spec_step(self.params, self.mtp, buffers, verify, SpecInputs.padding(d, k),
                                                tensors)
         return buffers
 
@@ -377,12 +374,6 @@ def _stop_id_width(stop_ids: list[list[int]]) -> int:
     while width < max(len(ids) for ids in stop_ids):
         width *= 2
     return width
-
-
-def _idle_spec_inputs(d: int, k: int) -> SpecInputs:
-    return SpecInputs(steps=np.zeros(d, np.int32), drafts=np.zeros((d, k), np.int32),
-                      capture_at=np.full(d, -1, np.int32), capture_row=np.zeros(d, np.int32),
-                      stop_ids=np.full((d, 4), -1, np.int32))
 
 
 def _update_signature(params):

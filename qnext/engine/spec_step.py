@@ -51,6 +51,13 @@ class SpecInputs:
     capture_row: jnp.ndarray  # [D] int32 its snapshot row (0: none)
     stop_ids: jnp.ndarray     # [D, S] int32 token ids that end the row (-1: unused)
 
+    @classmethod
+    def padding(cls, rows: int, num_speculative_tokens: int, stop_width: int = 4) -> "SpecInputs":
+        """Host arrays for `rows` padding rows (nothing kept, no capture, no stop ids), to fill in place."""
+        return cls(steps=np.zeros(rows, np.int32), drafts=np.zeros((rows, num_speculative_tokens), np.int32),
+                   capture_at=np.full(rows, -1, np.int32), capture_row=np.zeros(rows, np.int32),
+                   stop_ids=np.full((rows, stop_width), -1, np.int32))
+
 
 @struct.dataclass
 class ChainInputs:
