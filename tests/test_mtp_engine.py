@@ -122,6 +122,29 @@ def test_sampled_rows_speculate_and_are_reproducible_by_seed(checkpoint):
     assert spec.engine.stats.num_spec_rows > 0
 
 
+def test_disable_by_batch_size_decodes_larger_steps_plainly(checkpoint, plain):
+    spec = LLM(checkpoint, speculative_config={**SPEC, "disable_by_batch_size": 2}, **OPTIONS)
+    scheduler, steps = spec.engine.scheduler, []          # (rows, speculative) of every step planned
+    schedule = scheduler.schedule
+
+    def recorded():
+        plan = schedule()
+        if plan is not None:
+            steps.append((len(plan.items), plan.speculative))
+        return plan
+
+    scheduler.schedule = recorded
+    batch = prompts(4, offset=300)
+    assert tokens(spec.generate(batch, GREEDY)) == tokens(plain.generate(batch, GREEDY))
+    assert any(rows > 2 for rows, _ in steps)
+    assert not any(rows > 2 and speculative for rows, speculative in steps)
+    steps.clear()
+    assert tokens(spec.generate(batch[:2], GREEDY)) == tokens(plain.generate(batch[:2], GREEDY))
+    assert any(speculative for _, speculative in steps)   # two rows a step speculate
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        LLM(checkpoint, speculative_config={**SPEC, "disable_by_batch_size": 0}, **OPTIONS)
+
+
 def test_server_with_mtp_answers_the_openai_sdk_as_plain_decoding(checkpoint, plain):
     import openai
 

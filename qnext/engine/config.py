@@ -91,10 +91,10 @@ class EngineConfig:
         if not isinstance(spec, dict):
             raise ValueError(f"speculative_config must be a dict like {{'method': 'mtp', 'num_speculative_tokens': 2}}, "
                              f"got {spec!r}")
-        unknown = set(spec) - {"method", "num_speculative_tokens"}
+        unknown = set(spec) - {"method", "num_speculative_tokens", "disable_by_batch_size"}
         if unknown:
-            raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; it takes 'method' and "
-                             "'num_speculative_tokens'")
+            raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; it takes 'method', "
+                             "'num_speculative_tokens' and 'disable_by_batch_size'")
         if spec.get("method", "mtp") not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config method {spec.get('method')!r} is not supported; qnext drafts with "
                              f"the checkpoint's MTP head: one of {SPECULATIVE_METHODS}")
@@ -102,7 +102,18 @@ class EngineConfig:
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config num_speculative_tokens must be an integer in "
                              f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        limit = spec.get("disable_by_batch_size")
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise ValueError(f"speculative_config disable_by_batch_size must be a positive integer (steps with more "
+                             f"rows than this decode without drafts) or absent, got {limit!r}")
         return k
+
+    @property
+    def speculative_max_rows(self) -> int | None:
+        """vLLM's disable_by_batch_size: a step with more rows than this decodes plainly (None: no limit). Where
+        the verify pass costs more than it saves (compute-bound batches) speculation pays only at small ones."""
+        self.num_speculative_tokens                     # validates speculative_config
+        return (self.speculative_config or {}).get("disable_by_batch_size")
 
     @property
     def num_mtp_kv_layers(self) -> int:
