@@ -146,6 +146,9 @@ def test_disable_by_batch_size_decodes_larger_steps_plainly(checkpoint, plain):
 
 
 def test_server_with_mtp_answers_the_openai_sdk_as_plain_decoding(checkpoint, plain):
+    import time
+
+    import httpx
     import openai
 
     from qnext.server.app import build_app
@@ -163,7 +166,17 @@ def test_server_with_mtp_answers_the_openai_sdk_as_plain_decoding(checkpoint, pl
         sampled = client.completions.create(prompt=texts[0], model="m", n=2, seed=3, temperature=0.9,
                                             max_tokens=8, extra_body={"ignore_eos": True})
         assert sorted(c.index for c in sampled.choices) == [0, 1] and sampled.usage.completion_tokens == 16
-    assert spec.engine.stats.num_spec_rows > 0 and spec.engine.stats.num_draft_tokens > 0
+        stats = spec.engine.stats
+        want_lines = [f'qnext:spec_decode_num_{name}_total{{model_name="m"}} {float(value)}'
+                      for name, value in (("drafts", stats.num_spec_rows), ("draft_tokens", stats.num_draft_tokens),
+                                          ("accepted_tokens", stats.num_accepted_draft_tokens))]
+        for _ in range(100):     # the engine thread publishes its counters after delivering a step's tokens
+            metrics = httpx.get(base_url + "/metrics", timeout=30).text
+            if all(line in metrics for line in want_lines):
+                break
+            time.sleep(0.1)
+        assert all(line in metrics for line in want_lines), metrics
+    assert stats.num_spec_rows > 0 and stats.num_draft_tokens > 0
 
 
 def test_refused_combinations_say_why(checkpoint, tiny_checkpoint):

@@ -34,6 +34,10 @@ _ENGINE_COUNTERS = [
     ("qnext:prompt_tokens", "num_prompt_tokens", "Prompt tokens of the requests the engine accepted."),
     ("qnext:generation_tokens", "num_generated_tokens", "Tokens generated."),
     ("qnext:engine_steps", "num_steps", "Engine steps run."),
+    # MTP speculative decoding (vLLM's spec_decode_* counters): acceptance length = 1 + accepted / drafts
+    ("qnext:spec_decode_num_drafts", "num_spec_rows", "Rows of speculative steps (each verified its drafts once)."),
+    ("qnext:spec_decode_num_draft_tokens", "num_draft_tokens", "Draft tokens verified."),
+    ("qnext:spec_decode_num_accepted_tokens", "num_accepted_draft_tokens", "Draft tokens accepted."),
 ]
 _USAGE_GAUGES = [
     ("qnext:kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV blocks referenced by requests (0-1)."),
