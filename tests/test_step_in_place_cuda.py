@@ -112,9 +112,8 @@ def test_float32_step_with_mosaic_attention_falling_back_updates_the_pages_in_pl
 
 def test_the_check_sees_a_scatter_that_xla_gpu_would_copy():
     """The scatter form XLA:GPU copies (the pages indexed on block and row for every head) is reported."""
-    import pallas_kernels.paged_attention  # noqa: F401 (the package exports a function of the same name)
-    import sys
-    attn_ops = sys.modules["pallas_kernels.paged_attention"]
+    import importlib
+    attn_ops = importlib.import_module("pallas_kernels.paged_attention")   # the package exports a function so named
 
     pages = jax.ShapeDtypeStruct((2, NUM_BLOCKS, BLOCK_SIZE, 64), jnp.bfloat16)
     new = jax.ShapeDtypeStruct((3, 2, 64), jnp.bfloat16)
