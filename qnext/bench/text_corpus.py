@@ -14,6 +14,7 @@ prompts.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ import numpy as np
 CORPUS_DIRS = ("qnext", "cache", "pallas_kernels", "scripts", "docs", "tests")
 CORPUS_SUFFIXES = (".py", ".md")
 ROOT_FILES = ("README.md",)
-HELD_OUT_EVERY = 10          # files 9, 19, 29, ... of the sorted list are held out
+HELD_OUT_EVERY = 10          # about 1 file in 10 is held out (by the hash of its path)
 _SKIPPED_PARTS = {"__pycache__", ".pytest_cache", ".hypothesis"}
 END_OF_TEXT = "<|endoftext|>"
 
@@ -44,12 +45,15 @@ def corpus_files(root: str | Path | None = None) -> list[Path]:
     return sorted(files, key=lambda p: p.as_posix())
 
 
+def is_held_out(path: Path) -> bool:
+    """Whether a corpus file (a path relative to the repository) is held out: by its path's hash alone."""
+    digest = hashlib.sha256(path.as_posix().encode()).digest()
+    return int.from_bytes(digest[:8], "big") % HELD_OUT_EVERY == 0
+
+
 def split_files(files: list[Path]) -> tuple[list[Path], list[Path]]:
-    """(training files, held-out files): every HELD_OUT_EVERY-th file (index HELD_OUT_EVERY - 1, ...) is held
-    out; the two lists are disjoint and together are `files`."""
-    held = [f for i, f in enumerate(files) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
-    train = [f for i, f in enumerate(files) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
-    return train, held
+    """(training files, held-out files), each in the order of `files`: disjoint, together `files`."""
+    return [f for f in files if not is_held_out(f)], [f for f in files if is_held_out(f)]
 
 
 @dataclasses.dataclass(frozen=True)
