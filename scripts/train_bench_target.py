@@ -48,7 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=10, help="report (and held-out loss) every N steps")
     p.add_argument("--eval-windows", type=int, default=16, help="held-out windows of --seq-len for the loss")
     p.add_argument("--sample-prompt-len", type=int, default=32)
-    p.add_argument("--sample-len", type=int, default=64, help="greedy tokens generated from the held-out prompt")
+    p.add_argument("--sample-len", type=int, default=64, help="greedy tokens generated from the held-out prompt (0: no sample)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -157,15 +157,15 @@ def main(argv=None) -> dict:
     qflax.save_pretrained(model, out)
     print(f"saved {out} ({train_min:.1f} min of training, {args.steps * args.batch * args.seq_len} tokens seen)")
 
-    tokenizer = load_tokenizer(out)
-    prompt = corpus.held_out_prompts(8, args.sample_prompt_len)[3]
-    llm = LLM(out, max_num_seqs=1, max_num_batched_tokens=256,
-              max_model_len=args.sample_prompt_len + args.sample_len + 8)
-    sample = list(llm.generate([{"prompt_token_ids": prompt}],
-                               SamplingParams(temperature=0.0, max_tokens=args.sample_len, ignore_eos=True))[0]
-                  .outputs[0].token_ids)
-    llm.close()
-    print(f"held-out prompt: {tokenizer.decode(prompt)!r}\ngreedy continuation: {tokenizer.decode(sample)!r}")
+    sample = []
+    if args.sample_len:
+        tokenizer = load_tokenizer(out)
+        prompt = corpus.held_out_prompts(8, args.sample_prompt_len)[3]
+        with LLM(out, max_num_seqs=1, max_num_batched_tokens=256,
+                 max_model_len=args.sample_prompt_len + args.sample_len + 8) as llm:
+            greedy = SamplingParams(temperature=0.0, max_tokens=args.sample_len, ignore_eos=True)
+            sample = list(llm.generate([{"prompt_token_ids": prompt}], greedy)[0].outputs[0].token_ids)
+        print(f"held-out prompt: {tokenizer.decode(prompt)!r}\ngreedy continuation: {tokenizer.decode(sample)!r}")
     print(f"total {time.perf_counter() - start:.0f} s")
     return {"path": out, "history": history, "init_held_out_loss": first_loss, "train_minutes": train_min,
             "sample": sample}
