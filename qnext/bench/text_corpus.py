@@ -2,9 +2,12 @@
 
 The files are the sorted `*.py` and `*.md` files under the repository's qnext/, cache/, pallas_kernels/, scripts/,
 docs/ and tests/, plus its README.md: what a clean clone holds (the repository root is found from this package, so
-nothing outside it is read; caches and build outputs are skipped). The split is by file: every `HELD_OUT_EVERY`-th
-file in sorted order is held out, and neither the target (scripts/train_bench_target.py) nor the MTP head
-(scripts/train_mtp.py --prompt-source corpus) trains on it.
+nothing outside it is read; caches and build outputs are skipped). The split is by file and by path alone: a file
+is held out when the SHA-256 of its POSIX path, as a number, is 0 modulo HELD_OUT_EVERY (about 1 file in 10), so
+adding or removing files never moves another file across the split (a target trained before a commit keeps its
+held-out files held out after it). Neither the target (scripts/train_bench_target.py) nor the MTP head
+(scripts/train_mtp.py --prompt-source corpus) trains on a held-out file. The split is by path, not by content: code
+repeated across files (a helper copied into a test) can sit on both sides.
 
 Each split is one token stream: the files' token ids (the checkpoint's tokenizer.json, a byte-level BPE), each file
 followed by the tokenizer's end-of-text id. Training windows start at seeded random offsets of the training stream;
