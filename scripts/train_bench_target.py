@@ -48,7 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=10, help="report (and held-out loss) every N steps")
     p.add_argument("--eval-windows", type=int, default=16, help="held-out windows of --seq-len for the loss")
     p.add_argument("--sample-prompt-len", type=int, default=32)
-    p.add_argument("--sample-len", type=int, default=64, help="greedy tokens generated from the held-out prompt (0: no sample)")
+    p.add_argument("--sample-len", type=int, default=64,
+                   help="greedy tokens generated from the held-out prompt (0: no sample)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 

@@ -279,8 +279,8 @@ def main(argv=None) -> dict:
     if not args.no_save:
         print(f"saved {save_mtp_params(path, mtp, cfg)}")
     print(f"total {time.perf_counter() - start:.0f} s")
-    return {"prompt_source": source, "agreement_before": before[0], "agreement_after": after[0], "chained_agreement": after[1],
-            "text_agreement": text[0] if text else None,
+    return {"prompt_source": source, "agreement_before": before[0], "agreement_after": after[0],
+            "chained_agreement": after[1], "text_agreement": text[0] if text else None,
             "acceptance_length": {k: a for k, (a, _) in acceptance.items()}, "train_minutes": train_min}
 
 
