@@ -6,9 +6,11 @@ speedup that acceptance length should give on this machine from the measured ste
                                                     t_decode: a plain decode step; t_spec: a speculative step
                                                     (verify pass over k + 1 positions + the head's k drafts)
 
-Prompts are random tokens drawn apart from train_mtp.py's (held out); the engines must emit the same tokens (greedy),
-which the bench checks. Each MTP engine runs twice: with its head's drafts, and with oracle drafts (the plain run's
-own next tokens: every draft agrees), the ceiling of what the step itself can give. Best of --repeats.
+Prompts are random tokens drawn apart from train_mtp.py's (held out), or with --prompt-source corpus (the default
+for a trained-target `<preset>-lm` checkpoint of scripts/train_bench_target.py) windows of the text corpus's held-out
+files (qnext/bench/text_corpus.py), which neither the target nor the head trained on; the engines must emit the same
+tokens (greedy), which the bench checks. Each MTP engine runs twice: with its head's drafts, and with oracle drafts
+(the plain run's own next tokens: every draft agrees), the ceiling of what the step itself can give. Best of --repeats.
 
     python scripts/train_mtp.py --preset small          # once: trains and saves the head into the checkpoint
     python scripts/bench_mtp.py [--preset small] [--k 2,3] [--batches 1,16] [--json-out FILE]
@@ -34,6 +36,8 @@ def parse_args(argv=None):
     p.add_argument("--k", default="2", help="num_speculative_tokens, or a comma list (one engine each)")
     p.add_argument("--batches", default="1,16")
     p.add_argument("--prompt-len", type=int, default=16, help="as train_mtp.py's prompts")
+    p.add_argument("--prompt-source", choices=("auto", "random", "corpus"), default="auto",
+                   help="random token ids, or held-out windows of the text corpus (auto: corpus for a -lm checkpoint)")
     p.add_argument("--output-len", type=int, default=48)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--dtype", default="float32")
@@ -89,10 +93,20 @@ def best_of(llm, prompts, output_len: int, repeats: int, oracle=None) -> dict:
     return best
 
 
+def held_out_prompts(source: str, path, cfg, batch: int, prompt_len: int, rng: np.random.Generator):
+    """`batch` prompts the head never trained on: random token ids from `rng`, or the corpus's held-out windows at
+    the midpoints of `batch` equal parts of the held-out stream (batch 1: its middle, not its first tokens)."""
+    if source == "random":
+        return rng.integers(3, cfg.vocab_size, (batch, prompt_len)).tolist()
+    from qnext.bench.text_corpus import load_corpus
+
+    return load_corpus(path).held_out_prompts(2 * batch + 1, prompt_len)[1::2]
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from qnext import LLM
-    from qnext.bench.presets import bench_checkpoint
+    from qnext.bench.presets import bench_checkpoint, is_lm_checkpoint
     from qnext.config import ModelConfig
     from qnext.engine.llm_engine import freeze_startup_heap
     from qnext.model.mtp import load_mtp_params
@@ -109,10 +123,11 @@ def main(argv=None) -> dict:
     spec = {k: LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **common) for k in ks}
     freeze_startup_heap()
     rng = np.random.default_rng(12345)           # train_mtp.py draws its prompts from seed 0
-    report = {"model": str(path), "prompt_len": args.prompt_len, "output_len": args.output_len, "dtype": args.dtype,
-              "rows": []}
+    source = args.prompt_source if args.prompt_source != "auto" else "corpus" if is_lm_checkpoint(path) else "random"
+    report = {"model": str(path), "prompt_source": source, "prompt_len": args.prompt_len,
+              "output_len": args.output_len, "dtype": args.dtype, "rows": []}
     for b in batches:
-        prompts = rng.integers(3, cfg.vocab_size, (b, args.prompt_len)).tolist()
+        prompts = held_out_prompts(source, path, cfg, b, args.prompt_len, rng)
         for llm in [plain, *spec.values()]:                     # compile this batch's shapes, untimed
             run(llm, prompts, 4)
         base = best_of(plain, prompts, args.output_len, args.repeats)

@@ -1,10 +1,13 @@
 """Train a checkpoint's MTP head on the model's own greedy continuations, measure how often its drafts are
 accepted on held-out prompts, and save it into the checkpoint (mtp.safetensors).
 
-    python scripts/train_mtp.py [--preset small | --model DIR] [--steps N] [--no-save]
+    python scripts/train_mtp.py [--preset small | --model DIR] [--prompt-source random|corpus] [--steps N] [--no-save]
 
-1. The engine generates greedy continuations of random prompts; the held-out prompts are drawn the same way, after
-   the training prompts from the same stream, and never trained on.
+1. The engine generates greedy continuations of prompts, never trained on when held out. --prompt-source random
+   (the default for a random-weights preset): random token ids, the held-out ones drawn after the training ones from
+   the same stream. corpus (the default for a trained target, a `<preset>-lm` checkpoint of
+   scripts/train_bench_target.py): windows of the project's text (qnext/bench/text_corpus.py), training prompts at
+   seeded offsets of the training files, held-out prompts at fixed offsets of the held-out files.
 2. The target's final-normed hidden states h_t come from the dense forward (qnext/model/mtp.py: dense_hidden). Slot t
    of the head takes (x_{t+1}, h_t); its label is the target's own next-token distribution at t + 1, lm_head(h_{t+1})
    (on the continuation its argmax is x_{t+2}; on prompt slots it is what the model would have said there).
@@ -33,6 +36,8 @@ def parse_args(argv=None):
     p.add_argument("--preset", default="small", help="bench preset when --model is not given")
     p.add_argument("--out-dir", default="bench_out", help="where bench checkpoints are written")
     p.add_argument("--prompts", type=int, default=1024, help="training prompts")
+    p.add_argument("--prompt-source", choices=("auto", "random", "corpus"), default="auto",
+                   help="random token ids, or windows of the text corpus (auto: corpus for a -lm checkpoint)")
     p.add_argument("--held-out", type=int, default=64, help="held-out prompts (agreement)")
     p.add_argument("--held-out-loop", type=int, default=4,
                    help="of those, how many the speculative reference loop runs (acceptance length; slow)")
@@ -49,16 +54,37 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def continuations(path, cfg, params, n: int, prompt_len: int, gen_len: int, seed: int, spare: int = 8):
-    """(token ids [n, prompt_len + gen_len]: random prompts and their greedy continuations, the target's
-    final-normed hidden states [n, T, H] over them)."""
+def prompt_source(choice: str, path) -> str:
+    """"random" or "corpus": `choice`, or for "auto" corpus exactly when `path` is a trained-target checkpoint."""
+    from qnext.bench.presets import is_lm_checkpoint
+
+    if choice != "auto":
+        return choice
+    return "corpus" if is_lm_checkpoint(path) else "random"
+
+
+def draw_prompts(source: str, path, cfg, n: int, held_out: int, prompt_len: int, seed: int) -> list[list[int]]:
+    """n training prompts then `held_out` held-out prompts of prompt_len tokens. random: one seeded stream of token
+    ids (held-out ones drawn after the training ones); corpus: training-file windows at offsets drawn from `seed`,
+    then held-out-file windows at fixed offsets (qnext/bench/text_corpus.py)."""
+    if source == "random":
+        return np.random.default_rng(seed).integers(3, cfg.vocab_size, (n + held_out, prompt_len)).tolist()
+    from qnext.bench.text_corpus import load_corpus
+
+    corpus = load_corpus(path)
+    return corpus.training_prompts(n, prompt_len, seed) + corpus.held_out_prompts(held_out, prompt_len)
+
+
+def continuations(path, cfg, params, prompts: list[list[int]], gen_len: int, spare: int = 8):
+    """(token ids [n, prompt_len + gen_len]: the prompts and their greedy continuations, the target's final-normed
+    hidden states [n, T, H] over them)."""
     import jax
     import jax.numpy as jnp
 
     from qnext import LLM, SamplingParams
     from qnext.model.mtp import dense_hidden
 
-    prompts = np.random.default_rng(seed).integers(3, cfg.vocab_size, (n, prompt_len)).tolist()
+    n, prompt_len = len(prompts), len(prompts[0])
     llm = LLM(path, max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=prompt_len + gen_len + spare)
     greedy = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
@@ -148,6 +174,30 @@ class Trainer:
         return mtp
 
 
+def text_agreement(params, mtp, cfg, windows: np.ndarray, chunk: int = 16) -> tuple[float, float]:
+    """On real text (windows [N, T] of the corpus, teacher-forced, not the model's own continuation): (how often the
+    head's first draft at slot t, from (x_{t+1}, h_t), is the target's greedy token at t + 1; how often the target's
+    greedy token is the text's next token). A greedy continuation can fall into repeats a head copies easily; this
+    scores the head where the context is text the target did not write."""
+    import jax
+    import jax.numpy as jnp
+
+    from qnext.model.mtp import dense_hidden, mtp_forward
+
+    @jax.jit
+    def hits(params, mtp, ids):
+        h, logits = dense_hidden(params, ids, cfg)
+        greedy = logits.argmax(-1)                                       # [B, T]: the target's token for t + 1
+        draft, _ = mtp_forward(params, mtp, ids[:, 1:], h[:, :-1], cfg)  # slot t: x_{t+1}, h_t -> x_{t+2}
+        return (draft.argmax(-1) == greedy[:, 1:]).sum(), (greedy[:, :-1] == ids[:, 1:]).sum()
+
+    counts = np.zeros(2)
+    for i in range(0, len(windows), chunk):
+        counts += [int(x) for x in hits(params, mtp, jnp.asarray(windows[i:i + chunk]))]
+    slots = len(windows) * (windows.shape[1] - 1)
+    return float(counts[0] / slots), float(counts[1] / slots)
+
+
 def acceptance_lengths(params, mtp, cfg, prompts, gen_len: int, ks) -> dict[int, tuple[float, int]]:
     """{k: (mean tokens per verify round, rounds)} of the speculative reference loop over the prompts; raises if its
     tokens differ from plain greedy decoding's."""
@@ -184,16 +234,17 @@ def main(argv=None) -> dict:
     cfg = ModelConfig.from_pretrained(path)
     params = load_params(path, cfg)
     n = args.prompts
-    seqs, hidden = continuations(path, cfg, params, n + args.held_out, args.prompt_len, args.gen_len, args.seed,
-                                 spare=max(args.k) + 8)
+    source = prompt_source(args.prompt_source, path)
+    prompts = draw_prompts(source, path, cfg, n, args.held_out, args.prompt_len, args.seed)
+    seqs, hidden = continuations(path, cfg, params, prompts, args.gen_len, spare=max(args.k) + 8)
     held_ids, held_h = seqs[n:], hidden[n:]
     data_s = time.perf_counter() - start
     trainer = Trainer(params, cfg, args.prompt_len, seqs.shape[1], chain_weight=args.chain_weight,
                       hard_labels=args.hard_labels)
     mtp = init_mtp_params(params, cfg, jax.random.key(args.seed))
     before = trainer.agreement(mtp, held_ids, held_h)
-    print(f"{len(seqs)} greedy continuations and their hidden states ({data_s:.0f} s); held-out agreement before "
-          f"training: first draft {before[0]:.3f}, chained second {before[1]:.3f}")
+    print(f"{len(seqs)} greedy continuations of {source} prompts and their hidden states ({data_s:.0f} s); "
+          f"held-out agreement before training: first draft {before[0]:.3f}, chained second {before[1]:.3f}")
     t0 = time.perf_counter()
 
     def report(i, mtp, loss):
@@ -208,6 +259,16 @@ def main(argv=None) -> dict:
     after = trainer.agreement(mtp, held_ids, held_h)
     print(f"trained {args.steps} steps of {args.batch} sequences in {train_min:.1f} min; held-out ({args.held_out} "
           f"prompts) agreement: first draft {after[0]:.3f} (before {before[0]:.3f}), chained second {after[1]:.3f}")
+    text = None
+    if source == "corpus":
+        from qnext.bench.text_corpus import load_corpus
+
+        windows = load_corpus(path).held_out_windows(args.held_out, args.prompt_len + args.gen_len)
+        text = text_agreement(params, mtp, cfg, windows)
+        print(f"on held-out text (teacher-forced, {windows.shape[0]} windows of {windows.shape[1]}): the head's first "
+              f"draft is the target's greedy token {text[0]:.3f} of the time (before training "
+              f"{text_agreement(params, init_mtp_params(params, cfg, jax.random.key(args.seed)), cfg, windows)[0]:.3f}"
+              f"); the target's greedy token is the text's next {text[1]:.3f}")
     acceptance = {}
     if args.held_out_loop:
         loop = held_ids[:args.held_out_loop, :args.prompt_len].tolist()
@@ -218,7 +279,8 @@ def main(argv=None) -> dict:
     if not args.no_save:
         print(f"saved {save_mtp_params(path, mtp, cfg)}")
     print(f"total {time.perf_counter() - start:.0f} s")
-    return {"agreement_before": before[0], "agreement_after": after[0], "chained_agreement": after[1],
+    return {"prompt_source": source, "agreement_before": before[0], "agreement_after": after[0],
+            "chained_agreement": after[1], "text_agreement": text[0] if text else None,
             "acceptance_length": {k: a for k, (a, _) in acceptance.items()}, "train_minutes": train_min}
 
 

@@ -4,6 +4,10 @@
 - small: real Qwen3.5 head dims (attention head_dim 256, linear key/value head dim 128, 16 value heads over 8 key
   heads), 3 linear + 1 full attention layer, hidden 1024; about 80M parameters (157 MFLOP per token), big enough
   that matmuls, not Python, dominate a CPU step.
+
+`<name>-lm` (lm_checkpoint_dir) is a preset's checkpoint with its decoder trained as a language model on the
+project's own text (scripts/train_bench_target.py, qnext/bench/text_corpus.py): same config and tokenizer, a target
+whose next token is predictable, for measuring speculative decoding at the acceptance a trained head reaches.
 """
 from __future__ import annotations
 
@@ -48,3 +52,15 @@ def bench_checkpoint(name: str, root: str | Path) -> Path:
     if not (path / "config.json").is_file():
         write_tiny_checkpoint(path, preset.family, seed=0, **preset.overrides)
     return path
+
+
+def lm_checkpoint_dir(name: str, root: str | Path) -> Path:
+    """Where scripts/train_bench_target.py writes the preset's trained-target checkpoint (`<root>/<name>-lm`)."""
+    if name not in PRESETS:
+        raise ValueError(f"model preset {name!r} is not one of {sorted(PRESETS)}")
+    return Path(root) / f"{name}-lm"
+
+
+def is_lm_checkpoint(path: str | Path) -> bool:
+    """Whether `path` is a trained-target checkpoint of lm_checkpoint_dir (its prompts come from the text corpus)."""
+    return Path(path).name.endswith("-lm")
