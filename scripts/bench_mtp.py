@@ -39,37 +39,45 @@ def parse_args(argv=None):
     p.add_argument("--prompt-source", choices=("auto", "random", "corpus"), default="auto",
                    help="random token ids, or held-out windows of the text corpus (auto: corpus for a -lm checkpoint)")
     p.add_argument("--output-len", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=4,
+                   help="groups of `batch` held-out prompts run one after another per measurement (batch 1: that "
+                        "many prompts, each alone)")
+    p.add_argument("--disable-by-batch-size", type=int,
+                   help="also run each k with speculative_config's disable_by_batch_size set to this (head drafts)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--json-out", type=Path)
     return p.parse_args(argv)
 
 
-def run(llm, prompts: list[list[int]], output_len: int) -> dict:
-    """Greedy generation of every prompt, step by step: wall time, tokens, and each step's time by kind."""
+def run(llm, groups: list[list[list[int]]], output_len: int) -> dict:
+    """Greedy generation of each group of prompts as one batch, group after group, step by step: wall time,
+    tokens (all groups' prompts in order), and each step's time by kind."""
     from qnext import SamplingParams
 
     engine, stats = llm.engine, llm.engine.stats
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    ids = [f"b{time.perf_counter_ns()}-{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(ids, prompts):
-        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
     steps = {"decode": [], "spec": [], "other": []}
-    outputs = {}
-    start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        rows, prefill = stats.num_spec_rows, stats.num_prefill_tokens
-        t0 = time.perf_counter()
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs[0].token_ids
-        dt = time.perf_counter() - t0
-        kind = "spec" if stats.num_spec_rows > rows else "other" if stats.num_prefill_tokens > prefill else "decode"
-        steps[kind].append(dt)
-    wall = time.perf_counter() - start
-    for rid in ids:
-        engine.release(rid)
-    tokens = [outputs[rid] for rid in ids]
+    tokens, wall = [], 0.0
+    for g, prompts in enumerate(groups):
+        ids = [f"b{time.perf_counter_ns()}-{g}-{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts):
+            engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        outputs = {}
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            rows, prefill = stats.num_spec_rows, stats.num_prefill_tokens
+            t0 = time.perf_counter()
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out.outputs[0].token_ids
+            dt = time.perf_counter() - t0
+            kind = "spec" if stats.num_spec_rows > rows else "other" if stats.num_prefill_tokens > prefill else "decode"
+            steps[kind].append(dt)
+        wall += time.perf_counter() - start
+        for rid in ids:
+            engine.release(rid)
+        tokens += [outputs[rid] for rid in ids]
     return {"wall": wall, "tokens": tokens, "tok_s": sum(map(len, tokens)) / wall,
             "steps": {k: float(np.median(v)) if v else None for k, v in steps.items()},
             "num_steps": {k: len(v) for k, v in steps.items()}}
@@ -120,23 +128,29 @@ def main(argv=None) -> dict:
                   enable_prefix_caching=False, max_model_len=args.prompt_len + args.output_len + 2 * max(ks) + 16,
                   dtype=args.dtype, kv_cache_memory_bytes=1 << 30)     # several engines share one device
     plain = LLM(path, **common)
-    spec = {k: LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **common) for k in ks}
+    spec = {(k, "head"): LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **common)
+            for k in ks}
+    if args.disable_by_batch_size is not None:
+        limit = args.disable_by_batch_size
+        spec.update({(k, f"head, disable_by_batch_size={limit}"): LLM(path, speculative_config={
+            "method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": limit}, **common) for k in ks})
     freeze_startup_heap()
     rng = np.random.default_rng(12345)           # train_mtp.py draws its prompts from seed 0
     source = args.prompt_source if args.prompt_source != "auto" else "corpus" if is_lm_checkpoint(path) else "random"
     report = {"model": str(path), "prompt_source": source, "prompt_len": args.prompt_len,
               "output_len": args.output_len, "dtype": args.dtype, "rows": []}
     for b in batches:
-        prompts = held_out_prompts(source, path, cfg, b, args.prompt_len, rng)
+        prompts = held_out_prompts(source, path, cfg, b * args.rounds, args.prompt_len, rng)
+        groups = [prompts[i:i + b] for i in range(0, len(prompts), b)]
         for llm in [plain, *spec.values()]:                     # compile this batch's shapes, untimed
-            run(llm, prompts, 4)
-        base = best_of(plain, prompts, args.output_len, args.repeats)
+            run(llm, groups[:1], 4)
+        base = best_of(plain, groups, args.output_len, args.repeats)
         t_decode = base["steps"]["decode"]
         continuations = {tuple(p): t for p, t in zip(prompts, base["tokens"])}
-        for k, llm in spec.items():
-            for drafts in ("head", "oracle"):
+        for (k, engine_kind), llm in spec.items():
+            for drafts in ("head", "oracle") if engine_kind == "head" else (engine_kind,):
                 oracle = (continuations, k) if drafts == "oracle" else None
-                r = best_of(llm, prompts, args.output_len, args.repeats, oracle)
+                r = best_of(llm, groups, args.output_len, args.repeats, oracle)
                 a, t_spec = r["acceptance_length"], r["steps"]["spec"]
                 row = {"batch": b, "k": k, "drafts": drafts, "plain_tok_s": base["tok_s"], "mtp_tok_s": r["tok_s"],
                        "speedup": r["tok_s"] / base["tok_s"], "acceptance_length": a,
@@ -144,10 +158,12 @@ def main(argv=None) -> dict:
                        "expected_speedup": a * t_decode / t_spec if a and t_spec else None,
                        "tokens_equal": r["tokens"] == base["tokens"], "steps": r["num_steps"]}
                 report["rows"].append(row)
-                print(f"batch {b:>3} k={k} {drafts:>6} drafts: plain {row['plain_tok_s']:7.1f} tok/s | MTP "
-                      f"{row['mtp_tok_s']:7.1f} tok/s | {row['speedup']:.2f}x | acceptance length {a:.2f} | decode "
-                      f"step {row['t_decode_ms']:.1f} ms, speculative step {row['t_spec_ms']:.1f} ms -> expected "
-                      f"{row['expected_speedup']:.2f}x | tokens equal: {row['tokens_equal']}", flush=True)
+                spec_part = (f"acceptance length {a:.2f} | decode step {row['t_decode_ms']:.1f} ms, speculative step "
+                             f"{row['t_spec_ms']:.1f} ms -> expected {row['expected_speedup']:.2f}x" if a and t_spec
+                             else "no speculative step")
+                print(f"batch {b:>3} k={k} {drafts} drafts: plain {row['plain_tok_s']:7.1f} tok/s | MTP "
+                      f"{row['mtp_tok_s']:7.1f} tok/s | {row['speedup']:.2f}x | {spec_part} | tokens equal: "
+                      f"{row['tokens_equal']}", flush=True)
     if args.json_out:
         args.json_out.write_text(json.dumps(report, indent=1))
     return report
