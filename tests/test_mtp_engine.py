@@ -123,9 +123,14 @@ def test_sampled_rows_speculate_and_are_reproducible_by_seed(checkpoint):
 
 
 def test_disable_by_batch_size_decodes_larger_steps_plainly(checkpoint, plain):
+    import jax.numpy as jnp
+    import numpy as np
+
+    from qnext.engine.spec_step import ChainInputs
+
     spec = LLM(checkpoint, speculative_config={**SPEC, "disable_by_batch_size": 2}, **OPTIONS)
-    scheduler, steps = spec.engine.scheduler, []          # (rows, speculative) of every step planned
-    schedule = scheduler.schedule
+    scheduler, runner, steps = spec.engine.scheduler, spec.engine.runner, []   # (rows, speculative) per step
+    schedule, kv_only = scheduler.schedule, runner._kv_catch_up
 
     def recorded():
         plan = schedule()
@@ -133,14 +138,28 @@ def test_disable_by_batch_size_decodes_larger_steps_plainly(checkpoint, plain):
             steps.append((len(plan.items), plan.speculative))
         return plan
 
-    scheduler.schedule = recorded
+    def checked_kv_only(params, mtp, buffers, inputs, next_ids, hidden):
+        """The head's KV written without drafting equals what the drafting catch-up writes (block 0: dummy)."""
+        m, max_blocks = inputs.logits_index.shape[0], inputs.decode.block_table.shape[1]
+        chain = ChainInputs(block_table=np.zeros((m, max_blocks), np.int32), running=np.zeros(m, bool))
+        _, full = runner._catch_up(params, mtp, jax.tree.map(jnp.copy, buffers), inputs, next_ids, hidden, chain)
+        out = kv_only(params, mtp, buffers, inputs, next_ids, hidden)
+        for got, want in zip(out.kv[-1], full.kv[-1]):
+            np.testing.assert_array_equal(np.asarray(got)[:, 1:], np.asarray(want)[:, 1:])
+        checked_kv_only.calls += 1
+        return out
+
+    checked_kv_only.calls = 0
+    scheduler.schedule, runner._kv_catch_up = recorded, checked_kv_only
     batch = prompts(4, offset=300)
-    assert tokens(spec.generate(batch, GREEDY)) == tokens(plain.generate(batch, GREEDY))
+    short = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)    # two rows end early: the batch shrinks
+    want = tokens(plain.generate(batch[:2], short)) + tokens(plain.generate(batch[2:], GREEDY))
+    outs = spec.generate(batch, [short, short, GREEDY, GREEDY])
+    assert tokens(outs) == want
+    assert checked_kv_only.calls > 0                      # 4-row steps wrote the head's KV without drafting
     assert any(rows > 2 for rows, _ in steps)
     assert not any(rows > 2 and speculative for rows, speculative in steps)
-    steps.clear()
-    assert tokens(spec.generate(batch[:2], GREEDY)) == tokens(plain.generate(batch[:2], GREEDY))
-    assert any(speculative for _, speculative in steps)   # two rows a step speculate
+    assert any(speculative for _, speculative in steps)   # the two rows left speculate on that KV
     with pytest.raises(ValueError, match="disable_by_batch_size"):
         LLM(checkpoint, speculative_config={**SPEC, "disable_by_batch_size": 0}, **OPTIONS)
 

@@ -16,8 +16,8 @@ from qnext.engine.multi_step import MultiStepInputs, make_multi_step
 from qnext.engine.plan import SampledToken, ScheduledSequence, StepPlan, StepResult
 from qnext.engine.sampler import first_argmax, sample
 from qnext.engine.sampling_inputs import SamplerInputBuilder, SamplingRow
-from qnext.engine.spec_step import ChainInputs, SpecInputs, make_mtp_catch_up, make_spec_step, verify_inputs, \
-    window_length
+from qnext.engine.spec_step import ChainInputs, SpecInputs, make_mtp_catch_up, make_mtp_kv_catch_up, \
+    make_spec_step, verify_inputs, window_length
 from qnext.engine.stats import EngineStats
 from qnext.model.buckets import BucketTable
 from qnext.model.forward import forward, forward_with_hidden
@@ -96,6 +96,8 @@ class ModelRunner:
         self._step = make_engine_step(cfg, config.tensor_parallel_size, with_hidden=k > 0)
         self._spec_step = make_spec_step(cfg, k, config.block_size) if k else None
         self._catch_up = make_mtp_catch_up(cfg, k, config.block_size) if k else None
+        self._max_spec_rows = config.speculative_max_rows
+        self._kv_catch_up = make_mtp_kv_catch_up(cfg) if k and self._max_spec_rows is not None else None
         self._multi_step = (make_multi_step(cfg, config.num_scheduler_steps, config.block_size,
                                             config.tensor_parallel_size)
                             if config.num_scheduler_steps > 1 else None)
@@ -129,7 +131,9 @@ class ModelRunner:
 
     def _draft_after(self, plan: StepPlan, inputs, hidden, result: StepResult):
         """The MTP head's slots for the positions the step computed, and k drafts for each item that sampled
-        (spec_step.make_mtp_catch_up). Returns (buffers, {request_id: drafts})."""
+        (spec_step.make_mtp_catch_up). Returns (buffers, {request_id: drafts}). A step with more rows than
+        disable_by_batch_size writes the head's KV only: its rows would not speculate next step either, and a row
+        without drafts gets them from the catch-up of its first step in a batch small enough."""
         sizes = plan.bucket.sizes
         next_ids = np.zeros(sizes.num_tokens, np.int32)
         tables = np.zeros((sizes.num_logits, sizes.max_blocks), np.int32)
@@ -144,6 +148,8 @@ class ModelRunner:
             tables[m, :len(it.segment.block_table)] = it.segment.block_table
             running[m] = it.samples
             flat += n
+        if self._max_spec_rows is not None and len(plan.items) > self._max_spec_rows:
+            return self._kv_catch_up(self.params, self.mtp, result.buffers, inputs, next_ids, hidden), {}
         drafts, buffers = self._catch_up(self.params, self.mtp, result.buffers, inputs, next_ids, hidden,
                                          ChainInputs(block_table=tables, running=running))
         drafts = np.asarray(drafts).tolist()
@@ -326,6 +332,9 @@ class ModelRunner:
                             running=np.zeros(s.num_logits, bool))
         _, buffers = self._catch_up(self.params, self.mtp, buffers, inputs, np.zeros(s.num_tokens, np.int32),
                                     hidden, chain)
+        if self._kv_catch_up is not None and s.num_logits > self._max_spec_rows:
+            buffers = self._kv_catch_up(self.params, self.mtp, buffers, inputs, np.zeros(s.num_tokens, np.int32),
+                                        hidden)
         if bucket.is_decode:
             d = s.num_decode
             verify = verify_inputs([], [], [], [], [], d, window_length(k, self.cfg.backend), s.max_blocks,

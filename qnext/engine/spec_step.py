@@ -144,3 +144,16 @@ def make_mtp_catch_up(cfg: ModelConfig, num_speculative_tokens: int, block_size:
         return drafts, replace_kv(buffers, kv)
 
     return jax.jit(run, donate_argnums=(2,))
+
+
+@functools.lru_cache(maxsize=None)
+def make_mtp_kv_catch_up(cfg: ModelConfig):
+    """jit(params, mtp, buffers, inputs, next_ids [T], hidden [T, H]) -> buffers: make_mtp_catch_up's head slots
+    (the head's KV for every flat token of the step) without drafting, for steps too large to speculate
+    (speculative_config's disable_by_batch_size): no chain, no lm_head. Cache buffers are donated."""
+
+    def run(params, mtp, buffers, inputs: StepInputs, next_ids, hidden):
+        _, kv = mtp_layer(params, mtp, buffers.kv[-1], next_ids, hidden, inputs, cfg)
+        return replace_kv(buffers, kv)
+
+    return jax.jit(run, donate_argnums=(2,))
