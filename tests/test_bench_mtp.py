@@ -1,0 +1,39 @@
+"""scripts/bench_mtp.py end to end on a tiny checkpoint with an MTP head: every configuration it runs (plain, head
+drafts, oracle drafts, disable_by_batch_size) emits plain decoding's tokens, oracle drafts are all accepted, and the
+report holds the figures the README table is made of."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import jax
+
+from qnext.config import ModelConfig
+from qnext.model.loader import load_params
+from qnext.model.mtp import init_mtp_params, save_mtp_params
+from qnext.testing.tiny_checkpoint import write_tiny_checkpoint
+
+
+def _bench_mtp():
+    spec = importlib.util.spec_from_file_location(
+        "bench_mtp", Path(__file__).resolve().parents[1] / "scripts" / "bench_mtp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_mtp_rows_equal_plain_tokens_and_oracle_drafts_are_accepted(tmp_path):
+    path = write_tiny_checkpoint(tmp_path / "ckpt", "qwen3_5")
+    cfg = ModelConfig.from_pretrained(path)
+    save_mtp_params(path, init_mtp_params(load_params(path, cfg), cfg, jax.random.key(0)), cfg)
+    report = _bench_mtp().main(["--model", str(path), "--batches", "1,3", "--k", "2", "--rounds", "2",
+                                "--repeats", "1", "--output-len", "8", "--prompt-len", "6",
+                                "--disable-by-batch-size", "2"])
+    rows = {(r["batch"], r["drafts"]): r for r in report["rows"]}
+    assert set(rows) == {(b, d) for b in (1, 3) for d in ("head", "oracle", "head, disable_by_batch_size=2")}
+    assert all(r["tokens_equal"] and r["plain_tok_s"] > 0 and r["mtp_tok_s"] > 0 for r in rows.values())
+    for b in (1, 3):
+        oracle = rows[(b, "oracle")]                   # every draft agrees: k + 1 tokens a round but at the end
+        assert oracle["acceptance_length"] > 2.0 and oracle["t_spec_ms"] > 0
+    assert rows[(3, "head, disable_by_batch_size=2")]["steps"]["spec"] == 0   # 3 rows: never speculative
+    assert rows[(1, "head, disable_by_batch_size=2")]["steps"]["spec"] > 0
