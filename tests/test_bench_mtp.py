@@ -3,30 +3,20 @@ drafts, oracle drafts, disable_by_batch_size) emits plain decoding's tokens, ora
 report holds the figures the README table is made of."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import jax
 
 from qnext.config import ModelConfig
 from qnext.model.loader import load_params
 from qnext.model.mtp import init_mtp_params, save_mtp_params
 from qnext.testing.tiny_checkpoint import write_tiny_checkpoint
-
-
-def _bench_mtp():
-    spec = importlib.util.spec_from_file_location(
-        "bench_mtp", Path(__file__).resolve().parents[1] / "scripts" / "bench_mtp.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.script_loader import load_script
 
 
 def test_bench_mtp_rows_equal_plain_tokens_and_oracle_drafts_are_accepted(tmp_path):
     path = write_tiny_checkpoint(tmp_path / "ckpt", "qwen3_5")
     cfg = ModelConfig.from_pretrained(path)
     save_mtp_params(path, init_mtp_params(load_params(path, cfg), cfg, jax.random.key(0)), cfg)
-    report = _bench_mtp().main(["--model", str(path), "--batches", "1,3", "--k", "2", "--rounds", "2",
+    report = load_script("bench_mtp").main(["--model", str(path), "--batches", "1,3", "--k", "2", "--rounds", "2",
                                 "--repeats", "1", "--output-len", "8", "--prompt-len", "6",
                                 "--disable-by-batch-size", "2"])
     rows = {(r["batch"], r["drafts"]): r for r in report["rows"]}

@@ -3,7 +3,6 @@ are never training files, and scripts/train_bench_target.py on the tiny preset l
 steps and writes a checkpoint qnext.LLM loads and generates from."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -11,13 +10,7 @@ import numpy as np
 from qnext import LLM, SamplingParams
 from qnext.bench.presets import bench_checkpoint, is_lm_checkpoint, lm_checkpoint_dir
 from qnext.bench.text_corpus import HELD_OUT_EVERY, corpus_files, load_corpus, split_files
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.script_loader import load_script
 
 
 def test_corpus_split_is_by_file_disjoint_and_deterministic(tmp_path):
@@ -41,7 +34,7 @@ def test_corpus_split_is_by_file_disjoint_and_deterministic(tmp_path):
 
 
 def test_train_bench_target_lowers_the_loss_and_writes_a_loadable_checkpoint(tmp_path):
-    result = _script("train_bench_target").main(
+    result = load_script("train_bench_target").main(
         ["--preset", "tiny", "--out-dir", str(tmp_path), "--steps", "12", "--batch", "4", "--seq-len", "32",
          "--eval-every", "4", "--eval-windows", "4", "--sample-len", "0", "--learning-rate", "3e-3"])
     path = result["path"]

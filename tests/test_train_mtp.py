@@ -4,9 +4,6 @@ loop makes, so a head trained on a few continuations reproduces them, and the sp
 accepts nearly all its drafts on them (its tokens checked equal to plain greedy's by acceptance_lengths)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import jax
 import numpy as np
 
@@ -14,20 +11,13 @@ from qnext.config import ModelConfig
 from qnext.engine.spec_decode_reference import plain_greedy
 from qnext.model.loader import load_params
 from qnext.model.mtp import dense_hidden, init_mtp_params
+from tests.script_loader import load_script
 
 PROMPT_LEN, GEN_LEN, N = 4, 12, 4
 
 
-def _train_mtp():
-    spec = importlib.util.spec_from_file_location(
-        "train_mtp", Path(__file__).resolve().parents[1] / "scripts" / "train_mtp.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_head_memorises_greedy_continuations_and_keeps_greedy_tokens(tiny_checkpoint):
-    train_mtp = _train_mtp()
+    train_mtp = load_script("train_mtp")
     path = tiny_checkpoint("qwen3_5")
     cfg = ModelConfig.from_pretrained(path)
     params = load_params(path, cfg)
