@@ -115,6 +115,11 @@ class EngineConfig:
         self.num_speculative_tokens                     # validates speculative_config
         return (self.speculative_config or {}).get("disable_by_batch_size")
 
+    def speculation_disabled_at(self, num_rows: int) -> bool:
+        """Whether a step of `num_rows` rows decodes plainly under disable_by_batch_size."""
+        max_rows = self.speculative_max_rows
+        return max_rows is not None and num_rows > max_rows
+
     @property
     def num_mtp_kv_layers(self) -> int:
         """KV layers the cache holds beyond the model's: the MTP head's one attention layer when it drafts."""

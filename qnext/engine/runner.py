@@ -96,8 +96,7 @@ class ModelRunner:
         self._step = make_engine_step(cfg, config.tensor_parallel_size, with_hidden=k > 0)
         self._spec_step = make_spec_step(cfg, k, config.block_size) if k else None
         self._catch_up = make_mtp_catch_up(cfg, k, config.block_size) if k else None
-        self._max_spec_rows = config.speculative_max_rows
-        self._kv_catch_up = make_mtp_kv_catch_up(cfg) if k and self._max_spec_rows is not None else None
+        self._kv_catch_up = make_mtp_kv_catch_up(cfg) if k and config.speculative_max_rows is not None else None
         self._multi_step = (make_multi_step(cfg, config.num_scheduler_steps, config.block_size,
                                             config.tensor_parallel_size)
                             if config.num_scheduler_steps > 1 else None)
@@ -148,7 +147,7 @@ class ModelRunner:
             tables[m, :len(it.segment.block_table)] = it.segment.block_table
             running[m] = it.samples
             flat += n
-        if self._max_spec_rows is not None and len(plan.items) > self._max_spec_rows:
+        if self.config.speculation_disabled_at(len(plan.items)):
             return self._kv_catch_up(self.params, self.mtp, result.buffers, inputs, next_ids, hidden), {}
         drafts, buffers = self._catch_up(self.params, self.mtp, result.buffers, inputs, next_ids, hidden,
                                          ChainInputs(block_table=tables, running=running))
@@ -332,7 +331,7 @@ class ModelRunner:
                             running=np.zeros(s.num_logits, bool))
         _, buffers = self._catch_up(self.params, self.mtp, buffers, inputs, np.zeros(s.num_tokens, np.int32),
                                     hidden, chain)
-        if self._kv_catch_up is not None and s.num_logits > self._max_spec_rows:
+        if self._kv_catch_up is not None and self.config.speculation_disabled_at(s.num_logits):
             buffers = self._kv_catch_up(self.params, self.mtp, buffers, inputs, np.zeros(s.num_tokens, np.int32),
                                         hidden)
         if bucket.is_decode:

@@ -186,8 +186,8 @@ class Scheduler:
         """An MTP speculative step runs when every item decodes, holds its k drafts, and could run multi-step
         (its next tokens depend only on its logits and position; no stop strings), and the step has no more rows
         than speculative_config's disable_by_batch_size."""
-        k, max_rows = self.config.num_speculative_tokens, self.config.speculative_max_rows
-        if max_rows is not None and len(work) > max_rows:
+        k = self.config.num_speculative_tokens
+        if self.config.speculation_disabled_at(len(work)):
             return False
         return bool(k) and all(len(w.seq.draft_token_ids) == k and not w.seq.pending_forks for w in work) and all(
             w.num_tokens == 1 and w.end == w.seq.num_tokens and w.start >= len(w.seq.prompt_token_ids)
