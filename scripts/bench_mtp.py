@@ -10,7 +10,13 @@ Prompts are random tokens drawn apart from train_mtp.py's (held out), or with --
 for a trained-target `<preset>-lm` checkpoint of scripts/train_bench_target.py) windows of the text corpus's held-out
 files (qnext/bench/text_corpus.py), which neither the target nor the head trained on; the engines must emit the same
 tokens (greedy), which the bench checks. Each MTP engine runs twice: with its head's drafts, and with oracle drafts
-(the plain run's own next tokens: every draft agrees), the ceiling of what the step itself can give. Best of --repeats.
+(the plain run's own next tokens: every draft agrees), the ceiling of what the step itself can give. With a draft
+token map (--token-map; train_mtp.py writes one) each k also runs with the head drafting over the map's ids only.
+Best of --repeats.
+
+Two throughputs per row: tokens/s over the whole run (prefill steps included), and decode tokens/s (vLLM's
+inter-token rate: the tokens after each prompt's first over the time after its prefill step; an MTP engine's prefill
+step also runs the head's catch-up over the prompt, which counts toward the first token there).
 
     python scripts/train_mtp.py --preset small          # once: trains and saves the head into the checkpoint
     python scripts/bench_mtp.py [--preset small] [--k 2,3] [--batches 1,16] [--json-out FILE]
@@ -44,6 +50,9 @@ def parse_args(argv=None):
                         "many prompts, each alone)")
     p.add_argument("--disable-by-batch-size", type=int,
                    help="also run each k with speculative_config's disable_by_batch_size set to this (head drafts)")
+    p.add_argument("--token-map", default="auto",
+                   help="also run each k with this draft token map (speculative_config's speculative_token_map; "
+                        "auto: the checkpoint's mtp_token_map.npy when train_mtp.py wrote one; none: skip)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--json-out", type=Path)
@@ -58,7 +67,7 @@ def run(llm, groups: list[list[list[int]]], output_len: int) -> dict:
     engine, stats = llm.engine, llm.engine.stats
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     steps = {"decode": [], "spec": [], "other": []}
-    tokens, wall = [], 0.0
+    tokens, wall, first_token_wall = [], 0.0, 0.0
     for g, prompts in enumerate(groups):
         ids = [f"b{time.perf_counter_ns()}-{g}-{i}" for i in range(len(prompts))]
         for rid, prompt in zip(ids, prompts):
@@ -74,11 +83,15 @@ def run(llm, groups: list[list[list[int]]], output_len: int) -> dict:
             dt = time.perf_counter() - t0
             kind = "spec" if stats.num_spec_rows > rows else "other" if stats.num_prefill_tokens > prefill else "decode"
             steps[kind].append(dt)
+            if kind == "other":                 # prefill steps: the prompts' first tokens (and the head's catch-up)
+                first_token_wall += dt
         wall += time.perf_counter() - start
         for rid in ids:
             engine.release(rid)
         tokens += [outputs[rid] for rid in ids]
+    decode_tokens = sum(len(t) - 1 for t in tokens)
     return {"wall": wall, "tokens": tokens, "tok_s": sum(map(len, tokens)) / wall,
+            "decode_tok_s": decode_tokens / (wall - first_token_wall),
             "steps": {k: float(np.median(v)) if v else None for k, v in steps.items()},
             "num_steps": {k: len(v) for k, v in steps.items()}}
 
@@ -96,25 +109,26 @@ def best_of(llm, prompts, output_len: int, repeats: int, oracle=None) -> dict:
         if restore:
             restore()
     best = max(runs, key=lambda r: r["tok_s"])
+    best["decode_tok_s"] = max(r["decode_tok_s"] for r in runs)
     spec_rows = stats.num_spec_rows - rows
     best["acceptance_length"] = 1 + (stats.num_accepted_draft_tokens - accepted) / spec_rows if spec_rows else None
     return best
 
 
-def held_out_prompts(source: str, path, cfg, batch: int, prompt_len: int, rng: np.random.Generator):
-    """`batch` prompts the head never trained on: random token ids from `rng`, or the corpus's held-out windows at
-    the midpoints of `batch` equal parts of the held-out stream (batch 1: its middle, not its first tokens)."""
-    if source == "random":
+def held_out_prompts(corpus, cfg, batch: int, prompt_len: int, rng: np.random.Generator):
+    """`batch` prompts the head never trained on: random token ids from `rng` (corpus None), or the corpus's
+    held-out windows at the midpoints of `batch` equal parts of the held-out stream (batch 1: its middle, not its
+    first tokens)."""
+    if corpus is None:
         return rng.integers(3, cfg.vocab_size, (batch, prompt_len)).tolist()
-    from qnext.bench.text_corpus import load_corpus
-
-    return load_corpus(path).held_out_prompts(2 * batch + 1, prompt_len)[1::2]
+    return corpus.held_out_prompts(2 * batch + 1, prompt_len)[1::2]
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from qnext import LLM
     from qnext.bench.presets import bench_checkpoint, is_lm_checkpoint
+    from qnext.bench.text_corpus import load_corpus
     from qnext.config import ModelConfig
     from qnext.engine.llm_engine import freeze_startup_heap
     from qnext.model.mtp import load_mtp_params
@@ -130,6 +144,11 @@ def main(argv=None) -> dict:
     plain = LLM(path, **common)
     spec = {(k, "head"): LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **common)
             for k in ks}
+    token_map = resolve_token_map(args.token_map, path)
+    if token_map is not None:
+        size = len(np.load(token_map)) if token_map.endswith(".npy") else len(json.loads(Path(token_map).read_text()))
+        spec.update({(k, f"head, token map {size}"): LLM(path, speculative_config={
+            "method": "mtp", "num_speculative_tokens": k, "speculative_token_map": token_map}, **common) for k in ks})
     if args.disable_by_batch_size is not None:
         limit = args.disable_by_batch_size
         spec.update({(k, f"head, disable_by_batch_size={limit}"): LLM(path, speculative_config={
@@ -137,10 +156,11 @@ def main(argv=None) -> dict:
     freeze_startup_heap()
     rng = np.random.default_rng(12345)           # train_mtp.py draws its prompts from seed 0
     source = args.prompt_source if args.prompt_source != "auto" else "corpus" if is_lm_checkpoint(path) else "random"
+    corpus = load_corpus(path) if source == "corpus" else None          # tokenised once, for every batch size
     report = {"model": str(path), "prompt_source": source, "prompt_len": args.prompt_len,
               "output_len": args.output_len, "dtype": args.dtype, "rows": []}
     for b in batches:
-        prompts = held_out_prompts(source, path, cfg, b * args.rounds, args.prompt_len, rng)
+        prompts = held_out_prompts(corpus, cfg, b * args.rounds, args.prompt_len, rng)
         groups = [prompts[i:i + b] for i in range(0, len(prompts), b)]
         for llm in [plain, *spec.values()]:                     # compile this batch's shapes, untimed
             run(llm, groups[:1], 4)
@@ -153,7 +173,10 @@ def main(argv=None) -> dict:
                 r = best_of(llm, groups, args.output_len, args.repeats, oracle)
                 a, t_spec = r["acceptance_length"], r["steps"]["spec"]
                 row = {"batch": b, "k": k, "drafts": drafts, "plain_tok_s": base["tok_s"], "mtp_tok_s": r["tok_s"],
-                       "speedup": r["tok_s"] / base["tok_s"], "acceptance_length": a,
+                       "speedup": r["tok_s"] / base["tok_s"], "plain_decode_tok_s": base["decode_tok_s"],
+                       "mtp_decode_tok_s": r["decode_tok_s"],
+                       "decode_speedup": r["decode_tok_s"] / base["decode_tok_s"],
+                       "acceptance_length": a,
                        "t_decode_ms": t_decode * 1e3, "t_spec_ms": t_spec * 1e3 if t_spec else None,
                        "expected_speedup": a * t_decode / t_spec if a and t_spec else None,
                        "tokens_equal": r["tokens"] == base["tokens"], "steps": r["num_steps"]}
@@ -162,11 +185,23 @@ def main(argv=None) -> dict:
                              f"{row['t_spec_ms']:.1f} ms -> expected {row['expected_speedup']:.2f}x" if a and t_spec
                              else "no speculative step")
                 print(f"batch {b:>3} k={k} {drafts} drafts: plain {row['plain_tok_s']:7.1f} tok/s | MTP "
-                      f"{row['mtp_tok_s']:7.1f} tok/s | {row['speedup']:.2f}x | {spec_part} | tokens equal: "
-                      f"{row['tokens_equal']}", flush=True)
+                      f"{row['mtp_tok_s']:7.1f} tok/s | {row['speedup']:.2f}x "
+                      f"(decode only: {row['decode_speedup']:.2f}x)"
+                      f" | {spec_part} | tokens equal: {row['tokens_equal']}", flush=True)
     if args.json_out:
         args.json_out.write_text(json.dumps(report, indent=1))
     return report
+
+
+def resolve_token_map(choice: str, path: Path) -> str | None:
+    """--token-map: a path, none, or auto (the checkpoint's own map file when it has one)."""
+    from qnext.model.draft_vocab import TOKEN_MAP_FILE
+
+    if choice == "none":
+        return None
+    if choice == "auto":
+        return str(path / TOKEN_MAP_FILE) if (path / TOKEN_MAP_FILE).is_file() else None
+    return choice
 
 
 if __name__ == "__main__":

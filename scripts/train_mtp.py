@@ -2,6 +2,7 @@
 accepted on held-out prompts, and save it into the checkpoint (mtp.safetensors).
 
     python scripts/train_mtp.py [--preset small | --model DIR] [--prompt-source random|corpus] [--steps N] [--no-save]
+                                [--token-map-size N] [--token-map-only]
 
 1. The engine generates greedy continuations of prompts, never trained on when held out. --prompt-source random
    (the default for a random-weights preset): random token ids, the held-out ones drawn after the training ones from
@@ -17,6 +18,9 @@ accepted on held-out prompts, and save it into the checkpoint (mtp.safetensors).
 5. Held out: the head's agreement with the model's greedy token at chain steps 1 and 2, and the acceptance length
    (tokens emitted per verify round, 1 + drafts accepted) of the speculative reference loop
    (qnext/engine/spec_decode_reference.py) for each k, whose tokens must equal plain greedy decoding's.
+6. A draft vocabulary (--token-map-size, qnext/model/draft_vocab.py): the most frequent ids of the training
+   sequences, written as mtp_token_map.npy for speculative_config's speculative_token_map, with the share of the
+   held-out continuations' tokens it holds.
 """
 from __future__ import annotations
 
@@ -51,6 +55,10 @@ def parse_args(argv=None):
     p.add_argument("--k", type=int, nargs="+", default=[1, 2, 3], help="drafts per verify round to measure")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-save", action="store_true", help="do not write mtp.safetensors into the checkpoint")
+    p.add_argument("--token-map-size", type=int, default=1024,
+                   help="write the N most frequent ids of the training continuations as a draft vocabulary "
+                        "(mtp_token_map.npy, speculative_config's speculative_token_map); 0: none")
+    p.add_argument("--token-map-only", action="store_true", help="write the token map and stop (no training)")
     return p.parse_args(argv)
 
 
@@ -239,6 +247,9 @@ def main(argv=None) -> dict:
     seqs, hidden = continuations(path, cfg, params, prompts, args.gen_len, spare=max(args.k) + 8)
     held_ids, held_h = seqs[n:], hidden[n:]
     data_s = time.perf_counter() - start
+    token_map = write_token_map(path, seqs[:n], held_ids[:, args.prompt_len:], args) if args.token_map_size else None
+    if args.token_map_only:
+        return {"token_map": token_map}
     trainer = Trainer(params, cfg, args.prompt_len, seqs.shape[1], chain_weight=args.chain_weight,
                       hard_labels=args.hard_labels)
     mtp = init_mtp_params(params, cfg, jax.random.key(args.seed))
@@ -281,7 +292,23 @@ def main(argv=None) -> dict:
     print(f"total {time.perf_counter() - start:.0f} s")
     return {"prompt_source": source, "agreement_before": before[0], "agreement_after": after[0],
             "chained_agreement": after[1], "text_agreement": text[0] if text else None,
-            "acceptance_length": {k: a for k, (a, _) in acceptance.items()}, "train_minutes": train_min}
+            "acceptance_length": {k: a for k, (a, _) in acceptance.items()}, "train_minutes": train_min,
+            "token_map": token_map}
+
+
+def write_token_map(path: Path, training: np.ndarray, held_out: np.ndarray, args) -> dict:
+    """The draft vocabulary (qnext/model/draft_vocab.py): the --token-map-size most frequent ids of the training
+    prompts and their greedy continuations, and the share of the held-out continuations' tokens it holds."""
+    from qnext.model.draft_vocab import TOKEN_MAP_FILE, coverage, frequent_tokens
+
+    ids = frequent_tokens(training.tolist(), args.token_map_size)
+    share = coverage(ids, held_out.tolist())
+    out = path / TOKEN_MAP_FILE
+    if not args.no_save:
+        np.save(out, ids)
+    print(f"draft token map: the {len(ids)} most frequent ids of the training sequences hold {share:.3f} of the "
+          f"held-out continuations' tokens" + ("" if args.no_save else f"; saved {out}"), flush=True)
+    return {"size": int(len(ids)), "held_out_coverage": share, "path": None if args.no_save else str(out)}
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ with it are refused."""
 from __future__ import annotations
 
 import jax
+import numpy as np
 import pytest
 
 from qnext import LLM, SamplingParams
@@ -91,6 +92,39 @@ def test_forced_acceptance_and_rejection_equal_plain_decoding(checkpoint, plain,
     else:
         assert stats.num_accepted_draft_tokens == 0 and stats.num_draft_tokens > 0
         assert stats.acceptance_length == 1.0
+
+
+def recorded_drafts(llm) -> list[dict]:
+    """Every step's drafts ({request_id: drafts}), recorded from the engine's runner as the run goes."""
+    steps, execute = [], llm.engine.runner.execute
+
+    def record(plan):
+        result = execute(plan)
+        steps.append(dict(result.drafts or {}))
+        return result
+
+    llm.engine.runner.execute = record
+    return steps
+
+
+def test_a_draft_token_map_restricts_drafts_and_keeps_plain_tokens(checkpoint, plain, tmp_path):
+    batch = prompts(3, offset=50)
+    want = tokens(plain.generate(batch, GREEDY))
+    options = dict(OPTIONS, enable_prefix_caching=False)
+    vocab = plain.engine.model_config.vocab_size
+    np.save(tmp_path / "permuted.npy", np.random.default_rng(0).permutation(vocab))
+    np.save(tmp_path / "one.npy", np.array([vocab - 1]))
+    runs = {}
+    for name in ("none", "permuted", "one"):
+        config = SPEC if name == "none" else {**SPEC, "speculative_token_map": str(tmp_path / f"{name}.npy")}
+        llm = LLM(checkpoint, speculative_config=config, **options)
+        drafts = recorded_drafts(llm)
+        assert tokens(llm.generate(batch, GREEDY)) == want
+        runs[name] = ([[d[rid] for rid in sorted(d)] for d in drafts], llm.engine.stats)
+    assert runs["permuted"][0] == runs["none"][0]            # the whole vocabulary, reordered: the same drafts
+    drafted = [t for step in runs["one"][0] for row in step for t in row]
+    assert drafted and set(drafted) == {vocab - 1}            # a one-id map drafts that id only
+    assert runs["one"][1].num_draft_tokens > 0 and runs["one"][1].num_spec_rows > 0
 
 
 def test_greedy_equals_plain_under_preemption_and_with_the_host_tier(checkpoint, plain):
@@ -212,6 +246,8 @@ def test_refused_combinations_say_why(checkpoint, tiny_checkpoint):
     with pytest.raises(ValueError, match="block"):
         LLM(checkpoint, speculative_config={"method": "mtp", "num_speculative_tokens": 7},
             **{**OPTIONS, "block_size": 4})
+    with pytest.raises(ValueError, match="speculative_token_map .* is not a file"):
+        LLM(checkpoint, speculative_config={**SPEC, "speculative_token_map": "/nonexistent/map.npy"}, **OPTIONS)
 
 
 def test_serve_flag_takes_vllms_json():

@@ -8,6 +8,7 @@ from qnext.config import ModelConfig
 
 
 SPECULATIVE_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")   # vLLM's names for the same head
+SPECULATIVE_KEYS = {"method", "num_speculative_tokens", "disable_by_batch_size", "speculative_token_map"}
 MAX_SPECULATIVE_TOKENS = 7             # a verify window of k + 1 tokens stays within one 8-row group
 
 
@@ -91,10 +92,10 @@ class EngineConfig:
         if not isinstance(spec, dict):
             raise ValueError(f"speculative_config must be a dict like {{'method': 'mtp', 'num_speculative_tokens': 2}}, "
                              f"got {spec!r}")
-        unknown = set(spec) - {"method", "num_speculative_tokens", "disable_by_batch_size"}
+        unknown = set(spec) - SPECULATIVE_KEYS
         if unknown:
-            raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; it takes 'method', "
-                             "'num_speculative_tokens' and 'disable_by_batch_size'")
+            raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; it takes "
+                             f"{', '.join(map(repr, sorted(SPECULATIVE_KEYS)))}")
         if spec.get("method", "mtp") not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config method {spec.get('method')!r} is not supported; qnext drafts with "
                              f"the checkpoint's MTP head: one of {SPECULATIVE_METHODS}")
@@ -106,7 +107,19 @@ class EngineConfig:
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
             raise ValueError(f"speculative_config disable_by_batch_size must be a positive integer (steps with more "
                              f"rows than this decode without drafts) or absent, got {limit!r}")
+        token_map = spec.get("speculative_token_map")
+        if token_map is not None and not isinstance(token_map, (str, os.PathLike)):
+            raise ValueError(f"speculative_config speculative_token_map must be the path of a token id file (.npy "
+                             f"or .json), got {token_map!r}")
         return k
+
+    @property
+    def speculative_token_map(self) -> str | None:
+        """SGLang's speculative_token_map: the file of token ids the MTP head drafts over (None: the whole
+        vocabulary); qnext/model/draft_vocab.py."""
+        self.num_speculative_tokens                     # validates speculative_config
+        token_map = (self.speculative_config or {}).get("speculative_token_map")
+        return None if token_map is None else os.fspath(token_map)
 
     @property
     def speculative_max_rows(self) -> int | None:

@@ -129,6 +129,11 @@ class LLMEngine:
                               max_prefill_groups_extra=config.max_prefill_groups_extra)
         self.stats = EngineStats()
         self.runner = ModelRunner(cfg, params, config, buckets, self.stats)
+        token_map = config.speculative_token_map
+        if mtp is not None and token_map is not None:   # drafts over the map's ids only (model/draft_vocab.py)
+            import jax.numpy as jnp
+            from qnext.model.draft_vocab import load_token_map
+            mtp = dict(mtp, draft_token_ids=jnp.asarray(load_token_map(token_map, cfg.vocab_size)))
         self.runner.mtp = mtp
         self.cache_sizes = cache_sizes(cfg, config, self.max_model_len, self.runner.activation_bytes)
         persisted = config.prefix_cache_dir is not None and config.enable_prefix_caching

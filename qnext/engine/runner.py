@@ -135,20 +135,21 @@ class ModelRunner:
         without drafts gets them from the catch-up of its first step in a batch small enough."""
         sizes = plan.bucket.sizes
         next_ids = np.zeros(sizes.num_tokens, np.int32)
-        tables = np.zeros((sizes.num_logits, sizes.max_blocks), np.int32)
-        running = np.zeros(sizes.num_logits, bool)
         flat = 0
-        for m, it in enumerate(plan.items):
+        for it in plan.items:
             n = len(it.segment.token_ids)
             following = it.seq.token_slice(it.start + 1, it.end + 1)      # the prompt's, or nothing at the end
             if it.samples:
                 following = following + [result.sampled[it.seq.request_id].token_id]
             next_ids[flat:flat + n] = following[:n]
-            tables[m, :len(it.segment.block_table)] = it.segment.block_table
-            running[m] = it.samples
             flat += n
         if self.config.speculation_disabled_at(len(plan.items)):
             return self._kv_catch_up(self.params, self.mtp, result.buffers, inputs, next_ids, hidden), {}
+        tables = np.zeros((sizes.num_logits, sizes.max_blocks), np.int32)
+        running = np.zeros(sizes.num_logits, bool)
+        for m, it in enumerate(plan.items):
+            tables[m, :len(it.segment.block_table)] = it.segment.block_table
+            running[m] = it.samples
         drafts, buffers = self._catch_up(self.params, self.mtp, result.buffers, inputs, next_ids, hidden,
                                          ChainInputs(block_table=tables, running=running))
         drafts = np.asarray(drafts).tolist()

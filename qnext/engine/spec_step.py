@@ -122,8 +122,8 @@ def make_spec_step(cfg: ModelConfig, num_speculative_tokens: int, block_size: in
         next_ids = jnp.concatenate([acc.tokens, jnp.repeat(acc.tokens[:, -1:], length - k - 1, axis=1)], axis=1)
         own, kv = mtp_layer(params, mtp, buffers.kv[-1], next_ids.reshape(-1), hidden, inputs, cfg)
         last = jnp.arange(d) * length + jnp.maximum(keep, 0)
-        drafts, kv = draft_chain(params, mtp, kv, lm_logits(params, own[last], cfg), own[last],
-                                 inputs.positions[last], pre.block_table, ran > 0, k, cfg, block_size, 1)
+        drafts, kv = draft_chain(params, mtp, kv, own[last], inputs.positions[last], pre.block_table, ran > 0, k,
+                                 cfg, block_size, 1)
         return acc.tokens, ran, drafts, replace_kv(buffers, kv)
 
     return jax.jit(run, donate_argnums=(2,))
@@ -138,9 +138,8 @@ def make_mtp_catch_up(cfg: ModelConfig, num_speculative_tokens: int, block_size:
     def run(params, mtp, buffers, inputs: StepInputs, next_ids, hidden, chain: ChainInputs):
         own, kv = mtp_layer(params, mtp, buffers.kv[-1], next_ids, hidden, inputs, cfg)
         index = inputs.logits_index
-        drafts, kv = draft_chain(params, mtp, kv, lm_logits(params, own[index], cfg), own[index],
-                                 inputs.positions[index], chain.block_table, chain.running, num_speculative_tokens,
-                                 cfg, block_size, 1)
+        drafts, kv = draft_chain(params, mtp, kv, own[index], inputs.positions[index], chain.block_table,
+                                 chain.running, num_speculative_tokens, cfg, block_size, 1)
         return drafts, replace_kv(buffers, kv)
 
     return jax.jit(run, donate_argnums=(2,))

@@ -60,18 +60,30 @@ def one_slot_inputs(tokens, positions, block_table, running, block_size: int, ch
                       token_source=rows.astype(jnp.int32), logits_index=rows.astype(jnp.int32))
 
 
-def draft_chain(params, mtp, kv, first_logits, own_hidden, last_position, block_table, running,
-                num_drafts: int, cfg: ModelConfig, block_size: int, chunk: int):
-    """Greedy drafts [D, num_drafts] from the head's logits at each row's last slot (first_logits [D, V], its normed
-    hidden own_hidden [D, H], at last_position [D]), chained: draft j+1 comes from the slot after draft j's, fed
-    draft j and the previous slot's own hidden state. Returns (drafts, kv)."""
-    drafts = [first_argmax(first_logits)]
+def draft_chain(params, mtp, kv, own_hidden, last_position, block_table, running, num_drafts: int,
+                cfg: ModelConfig, block_size: int, chunk: int):
+    """Greedy drafts [D, num_drafts] from the head's normed hidden state at each row's last slot (own_hidden [D, H],
+    at last_position [D]), chained: draft j+1 comes from the slot after draft j's, fed draft j and the previous
+    slot's own hidden state. Returns (drafts, kv)."""
+    draft = draft_argmax(params, mtp, cfg)
+    drafts = [draft(own_hidden)]
     hidden = own_hidden
     for j in range(1, num_drafts):
         inputs = one_slot_inputs(drafts[-1], last_position + j, block_table, running, block_size, chunk)
         hidden, kv = mtp_layer(params, mtp, kv, drafts[-1], hidden, inputs, cfg)
-        drafts.append(first_argmax(lm_logits(params, hidden, cfg)))
+        drafts.append(draft(hidden))
     return jnp.stack(drafts, axis=1).astype(jnp.int32), kv
+
+
+def draft_argmax(params, mtp, cfg: ModelConfig):
+    """hidden [D, H] -> the head's greedy token [D] int32: over the whole vocabulary, or, when the head carries a
+    draft vocabulary (mtp["draft_token_ids"], qnext/model/draft_vocab.py), over those ids only. Their lm_head rows
+    are gathered once here, so a call drafting several tokens reads N x H weights per draft instead of V x H."""
+    ids = mtp.get("draft_token_ids")
+    if ids is None:
+        return lambda hidden: first_argmax(lm_logits(params, hidden, cfg))
+    head = params["lm_head"][ids]                                                   # [N, H]
+    return lambda hidden: ids[first_argmax(linear(hidden, head, preferred_element_type=jnp.float32))]
 
 
 def replace_kv(buffers, kv):
