@@ -94,6 +94,37 @@ def test_forced_acceptance_and_rejection_equal_plain_decoding(checkpoint, plain,
         assert stats.acceptance_length == 1.0
 
 
+def test_rows_with_penalties_speculate_and_equal_plain_decoding(checkpoint, plain):
+    """Rows with penalties speculate, and their tokens equal plain decoding's with the head's drafts, drafts forced
+    all accepted (every window position's token is used) and drafts forced all rejected. The per-position counts
+    themselves (the drafts before each position) are pinned by test_spec_decode's penalties test: on this random
+    tiny model a just-drafted token is rarely the one a position would otherwise pick."""
+    batch = prompts(3, offset=150)
+    penalised = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, presence_penalty=2.0,
+                               frequency_penalty=2.0, repetition_penalty=1.5)
+    want = {p["prompt_token_ids"][0]: t for p, t in zip(batch, tokens(plain.generate(batch, penalised)))}
+    assert list(want.values()) != tokens(plain.generate(batch, GREEDY))      # the penalties change the output
+    vocab = plain.engine.model_config.vocab_size
+    spec = LLM(checkpoint, speculative_config=SPEC, **OPTIONS)
+    for forced in ("head", "accept", "reject"):
+        def oracle(seq):
+            future = want[seq.prompt_token_ids[0]][len(seq.output_token_ids):][:K]
+            future += [0] * (K - len(future))
+            return future if forced == "accept" else [(t + 1) % vocab for t in future]
+
+        restore = override_drafts(spec, oracle) if forced != "head" else None
+        stats = spec.engine.stats
+        rows, drafted, accepted = stats.num_spec_rows, stats.num_draft_tokens, stats.num_accepted_draft_tokens
+        assert tokens(spec.generate(batch, penalised)) == list(want.values()), forced
+        assert stats.num_spec_rows > rows, forced                            # the rows did speculate
+        if forced == "accept":
+            assert stats.num_accepted_draft_tokens - accepted >= 0.9 * (stats.num_draft_tokens - drafted)
+        if forced == "reject":
+            assert stats.num_accepted_draft_tokens == accepted
+        if restore:
+            restore()
+
+
 def recorded_drafts(llm) -> list[dict]:
     """Every step's drafts ({request_id: drafts}), recorded from the engine's runner as the run goes."""
     steps, execute = [], llm.engine.runner.execute

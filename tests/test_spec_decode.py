@@ -155,3 +155,31 @@ def test_engine_rule_with_greedy_drafts_keeps_the_target_distribution():
     # the accepted share of a draft d at position j is p_j(d): the rule is not accept-all
     first_accepted = np.asarray(acc.num_accepted) > 0
     assert abs(first_accepted.mean() - p[0][drafts[:, 0]].mean()) < 0.02
+
+
+def test_penalties_apply_per_window_position_with_the_drafts_before_it():
+    """Position j of a verify window is penalised as `sample` would penalise it after the row's output plus
+    drafts d_1..d_j: the same counts the plain decode step would hold had it emitted those drafts."""
+    from qnext.engine.sampler import SamplingTensors, apply_penalties
+    from qnext.engine.spec_decode import penalized
+
+    rng = np.random.default_rng(11)
+    n, v = 3, 12
+    logits = rng.normal(size=(n, K + 1, v)).astype(np.float32)
+    drafts = rng.integers(0, v, size=(n, K)).astype(np.int32)
+    drafts[0] = drafts[0, 0]                                       # one row drafts the same token K times
+    counts = rng.integers(0, 3, size=(n, v)).astype(np.int32)
+    prompt_mask = rng.random((n, v)) < 0.3
+    presence, frequency = np.float32([0.5, 0.0, 1.5]), np.float32([0.2, 0.7, 0.0])
+    repetition = np.float32([1.3, 1.0, 2.0])
+    tensors = SamplingTensors(temperature=jnp.zeros(n), min_p=jnp.zeros(n), key_data=None,
+                              position=jnp.zeros(n, jnp.int32), suppressed_ids=jnp.full((n, 1), v, jnp.int32),
+                              presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
+                              output_counts=counts, prompt_mask=prompt_mask)
+    got = np.asarray(penalized(jnp.asarray(logits), jnp.asarray(drafts), tensors))
+    for j in range(K + 1):
+        before = counts + np.stack([np.bincount(drafts[r, :j], minlength=v) for r in range(n)]).astype(np.int32)
+        want = apply_penalties(logits[:, j], before, prompt_mask, presence, frequency, repetition)
+        np.testing.assert_allclose(got[:, j], np.asarray(want), rtol=1e-6, err_msg=f"position {j}")
+    assert not np.allclose(got[0, 1], np.asarray(apply_penalties(logits[:, 1], counts, prompt_mask, presence,
+                                                                  frequency, repetition))[0])   # drafts count

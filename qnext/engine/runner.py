@@ -173,8 +173,8 @@ class ModelRunner:
             for step, row in rows.items():
                 spec.capture_at[i], spec.capture_row[i] = step, row
             spec.stop_ids[i, :len(ids)] = ids
-        rows = _sampling_rows(plan.items)
-        sampling = None if all(r.params.greedy for r in rows) else self.sampler_inputs.build(rows, d)[0]
+        rows = _sampling_rows(plan.items)       # greedy rows with penalties need their tensors too
+        sampling = None if self.sampler_inputs.plain_greedy(rows) else self.sampler_inputs.build(rows, d)[0]
         t1 = time.perf_counter()
         tokens, ran, drafts, buffers = self._spec_step(self.params, self.mtp, plan.buffers, inputs,
                                                        spec, sampling)

@@ -184,15 +184,17 @@ class Scheduler:
 
     def _speculative_ok(self, work: list[_Work]) -> bool:
         """An MTP speculative step runs when every item decodes, holds its k drafts, and could run multi-step
-        (its next tokens depend only on its logits and position; no stop strings), and the step has no more rows
-        than speculative_config's disable_by_batch_size."""
+        (its next tokens depend only on its logits and position; no stop strings) or differs only by penalties
+        (applied per window position), and the step has no more rows than speculative_config's
+        disable_by_batch_size."""
         k = self.config.num_speculative_tokens
         if self.config.speculation_disabled_at(len(work)):
             return False
         return bool(k) and all(len(w.seq.draft_token_ids) == k and not w.seq.pending_forks for w in work) and all(
             w.num_tokens == 1 and w.end == w.seq.num_tokens and w.start >= len(w.seq.prompt_token_ids)
             and not w.seq.params.stop
-            and stateless(w.seq.params, len(w.seq.output_token_ids), self.eos_token_ids, self.vocab_size)
+            and stateless(w.seq.params, len(w.seq.output_token_ids), self.eos_token_ids, self.vocab_size,
+                          penalties_ok=True)
             for w in work)
 
     def _multi_step_plan(self, work: list[_Work], window: int | None = None) -> MultiStepPlan:

@@ -71,19 +71,42 @@ def accept_sampled(draft_tokens, draft_probs, target_probs, key) -> Acceptance:
     return Acceptance(_emit(draft_tokens, accepted, last), accepted, accepted + 1)
 
 
+def penalized(target_logits, draft_tokens, tensors):
+    """The rows' repetition / frequency / presence penalties at every window position (sampler.apply_penalties):
+    position j's output so far is the row's output plus drafts d_1..d_j (what it is if those are kept, the only
+    case in which position j's token is used). target_logits [N, k + 1, V]; tensors.output_counts [N, V]."""
+    from qnext.engine.sampler import apply_penalties
+
+    n, width, v = target_logits.shape
+    drafted = jax.nn.one_hot(draft_tokens, v, dtype=tensors.output_counts.dtype)            # [N, k, V]
+    before = jnp.concatenate([jnp.zeros((n, 1, v), drafted.dtype), jnp.cumsum(drafted, axis=1)], axis=1)
+    counts = tensors.output_counts[:, None, :] + before                                     # [N, k + 1, V]
+
+    def per_position(x):
+        return jnp.repeat(x, width, axis=0)
+
+    return apply_penalties(target_logits.reshape(n * width, v), counts.reshape(n * width, v),
+                           per_position(tensors.prompt_mask), per_position(tensors.presence_penalty),
+                           per_position(tensors.frequency_penalty), per_position(tensors.repetition_penalty)
+                           ).reshape(n, width, v)
+
+
 def accept_rows(target_logits, draft_tokens, tensors=None) -> Acceptance:
     """The engine's acceptance for a batch of rows whose drafts are the MTP head's greedy picks (a one-hot draft
     distribution q = [d]). target_logits [N, k + 1, V] raw float32; draft_tokens [N, k]; tensors: the rows'
     SamplingTensors (sampler.py; None: every row greedy). Greedy rows: accept_greedy. Sampled rows: rejection
     sampling against q = [d]: d_i is accepted with probability p_i(d_i); a rejection at i draws from p_i without
     d_i (max(0, p - q), renormalised); all accepted draws from p_{k+1} (p: the row's filtered distribution,
-    temperature / top-k / top-p / min-p as `sample`). The random numbers of row r at window position i come from
+    penalties (per window position: `penalized`), temperature / top-k / top-p / min-p as `sample`; greedy rows take
+    the argmax of the penalized logits too). The random numbers of row r at window position i come from
     the row's key at output position + i (as `sample`), so a request's tokens depend on its seed and history only.
     """
     from qnext.engine.sampler import GREEDY_TEMPERATURE, filter_logits, first_argmax, row_keys
 
     n, width, v = target_logits.shape
     k = width - 1
+    if tensors is not None and tensors.output_counts is not None:
+        target_logits = penalized(target_logits, draft_tokens, tensors)
     target = first_argmax(target_logits)                                   # [N, k + 1]
     greedy_accepted = _first_false(draft_tokens == target[:, :-1])
     greedy_last = jnp.take_along_axis(target, greedy_accepted[:, None], axis=1)[:, 0]
