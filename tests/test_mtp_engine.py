@@ -125,6 +125,70 @@ def test_rows_with_penalties_speculate_and_equal_plain_decoding(checkpoint, plai
             restore()
 
 
+def stop_string_in(text: str, i: int) -> str:
+    """Two letters of `text` from about a third of the way on (i varies where): a stop string the plain run meets
+    mid-output."""
+    start = len(text) // 3 + i % 5
+    return next(text[j:j + 2] for j in range(start, len(text) - 1) if text[j:j + 2].isalpha())
+
+
+def finished(outputs) -> list[tuple]:
+    return [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in (o.outputs[0] for o in outputs)]
+
+
+def assert_logprobs_close(got, want):
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        for entry, expected in zip(g or [], w or []):
+            assert entry.keys() == expected.keys()
+            for t, lp in entry.items():
+                assert lp.rank == expected[t].rank and lp.decoded_token == expected[t].decoded_token
+                assert abs(lp.logprob - expected[t].logprob) < 1e-4
+
+
+def test_rows_with_stop_strings_and_logprobs_speculate_and_equal_plain_decoding(checkpoint, plain):
+    """Stop strings: the host appends a window's tokens one at a time and drops those after the stop, so tokens,
+    text, finish and stop reasons equal plain decoding's, with drafts forced all accepted (whole windows run past
+    the stop) and with the head's; a later turn is served from the cache as much as after plain decoding (no
+    tracking snapshot lost to a state past the stop) and equals it. Logprobs: every emitted token's, from the
+    verify pass, equal plain decoding's (ids and ranks exactly, values within float32 noise)."""
+    batch = prompts(8, offset=300)
+    texts = [o.outputs[0].text for o in plain.generate(batch, GREEDY)]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop_string_in(t, i)],
+                             logprobs=2 if i % 2 else None) for i, t in enumerate(texts)]
+    vocab = plain.engine.model_config.vocab_size
+    for forced in ("accept", "head"):
+        reference = LLM(checkpoint, **OPTIONS)                 # fresh caches on both sides: the same history
+        want = reference.generate(batch, params)
+        assert sum(c.finish_reason == "stop" for c in (o.outputs[0] for o in want)) >= 6
+        future = {p["prompt_token_ids"][0]: o.outputs[0].token_ids for p, o in zip(batch, want)}
+        spec = LLM(checkpoint, speculative_config=SPEC, **OPTIONS)
+        if forced == "accept":                            # the plain run's tokens, then tokens past its stop
+            override_drafts(spec, lambda seq: (future[seq.prompt_token_ids[0]][len(seq.output_token_ids):]
+                                               + [(seq.num_tokens * 7) % vocab] * K)[:K])
+        dropped, postprocess = [], spec.engine.scheduler.postprocess
+
+        def counting(plan, result):                       # tokens a speculative step ran that the host dropped
+            before = [len(it.seq.output_token_ids) for it in plan.items]
+            out = postprocess(plan, result)
+            if plan.speculative:
+                dropped.extend(int(result.ran[i]) - (len(it.seq.output_token_ids) - b)
+                               for i, (it, b) in enumerate(zip(plan.items, before)))
+            return out
+
+        spec.engine.scheduler.postprocess = counting
+        got = spec.generate(batch, params)
+        assert finished(got) == finished(want), forced
+        assert_logprobs_close([o.outputs[0].logprobs for o in got], [o.outputs[0].logprobs for o in want])
+        assert spec.engine.stats.num_spec_rows > 0
+        if forced == "accept":
+            assert sum(dropped) > 0                       # windows did run past a stop string
+        turn = second_turn(batch, got)
+        want2, got2 = reference.generate(turn, GREEDY), spec.generate(turn, GREEDY)
+        assert tokens(got2) == tokens(want2), forced
+        assert [o.num_cached_tokens for o in got2] == [o.num_cached_tokens for o in want2], forced
+
+
 def recorded_drafts(llm) -> list[dict]:
     """Every step's drafts ({request_id: drafts}), recorded from the engine's runner as the run goes."""
     steps, execute = [], llm.engine.runner.execute

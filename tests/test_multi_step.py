@@ -85,15 +85,27 @@ def test_multi_step_tokens_and_stops_match_single_steps(path):
     got, want = multi.generate(prompts, sampled), single.generate(prompts, sampled)
     assert finished(got) == finished(want)
     assert calls
-    # rows the device cannot decide alone (logprobs, penalties, stop strings) take single steps: same results
+    # rows the device cannot decide alone (logprobs, penalties) take single steps: same results
     host_side = [SamplingParams(temperature=0.0, max_tokens=9, logprobs=2, ignore_eos=True),
-                 SamplingParams(temperature=0.9, max_tokens=9, seed=3, repetition_penalty=1.3),
-                 SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, stop=[expected[2][3][3:5]])]
+                 SamplingParams(temperature=0.9, max_tokens=9, seed=3, repetition_penalty=1.3)]
     calls.clear()
-    got, want = multi.generate(prompts[:3], host_side), single.generate(prompts[:3], host_side)
+    got, want = multi.generate(prompts[:2], host_side), single.generate(prompts[:2], host_side)
     assert finished(got) == finished(want)
     assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in want]
     assert not calls
+    # stop strings run multi-step: the host appends a call's tokens one at a time and drops those after the stop
+    texts = [o.outputs[0].text for o in base]
+    stops = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[letters_in(t, i)])
+             for i, t in enumerate(texts)]
+    got, want = multi.generate(prompts, stops), single.generate(prompts, stops)
+    assert finished(got) == finished(want)
+    assert sum(o.outputs[0].finish_reason == "stop" for o in want) >= 3 and calls
+
+
+def letters_in(text: str, i: int) -> str:
+    """Two letters of `text` from about a third of the way on: a stop string met mid-output."""
+    start = len(text) // 3 + i
+    return next(text[j:j + 2] for j in range(start, len(text) - 1) if text[j:j + 2].isalpha())
 
 
 def window_reaches_boundary(prompt_len, j):
@@ -139,6 +151,28 @@ def test_multi_step_chat_reuses_like_single_steps(path):
     stats = [dataclasses.asdict(llm.engine.cache_stats) for llm in (single, multi)]
     for key in ("reused_tokens", "lost_to_missing_state_tokens", "snapshots_captured", "snapshots_restored"):
         assert stats[1][key] == stats[0][key], key
+
+
+def test_multi_step_stop_strings_keep_the_snapshots_single_steps_keep(path):
+    """Stop strings end turns at many offsets from block boundaries. A call's window that runs on past the stop
+    (tokens the host drops) must not overwrite the decode tracking snapshot with a state past them, so the next
+    turn reuses as many tokens as after single steps, and equals it."""
+    options = dict(ENGINE, block_size=8, num_gpu_blocks_override=120, max_num_snapshots=64)
+    single, multi = qnext.LLM(path, **options), qnext.LLM(path, num_scheduler_steps=STEPS, **options)
+    rng = np.random.default_rng(6)
+    prompts = [{"prompt_token_ids": rng.integers(3, 500, n).tolist()} for n in range(11, 19)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    texts = [o.outputs[0].text for o in single.generate(prompts, greedy)]
+    assert finished(multi.generate(prompts, greedy)) == finished(single.generate(prompts, greedy))  # same history
+    stops = [dataclasses.replace(greedy, stop=[letters_in(t, i)]) for i, t in enumerate(texts)]
+    want, got = single.generate(prompts, stops), multi.generate(prompts, stops)
+    assert finished(got) == finished(want)
+    assert sum(o.outputs[0].finish_reason == "stop" for o in want) >= 6
+    turn = [{"prompt_token_ids": p["prompt_token_ids"] + o.outputs[0].token_ids + [7, 8, 9]}
+            for p, o in zip(prompts, want)]
+    want, got = single.generate(turn, greedy), multi.generate(turn, greedy)
+    assert finished(got) == finished(want)
+    assert [o.num_cached_tokens for o in got] == [o.num_cached_tokens for o in want]
 
 
 def test_multi_step_with_too_few_blocks_matches_a_roomy_engine(path):

@@ -72,3 +72,16 @@ class StepResult:
     tokens: np.ndarray | None = None                        # multi-step: [K, items] int32
     ran: np.ndarray | None = None                           # multi-step: [items] tokens each item ran
     drafts: dict[str, list[int]] = dataclasses.field(default_factory=dict)   # MTP: request -> its next k drafts
+    # multi-token steps whose rows asked for logprobs (speculative): numpy fields of sampler.SamplerOutput, each
+    # [K, items, ...] like `tokens`; None: logprob 0 and rank 1, as the sampler reports without logprobs
+    logprobs: object | None = None
+
+    def item_tokens(self, i: int) -> list[SampledToken]:
+        """A multi-token step's tokens for item i, in order, with their logprobs."""
+        ran, lp = int(self.ran[i]), self.logprobs
+        if lp is None:
+            return [SampledToken(int(t), 0.0, 1, None, None) for t in self.tokens[:ran, i]]
+        top = lp.top_ids.shape[-1] > 0
+        return [SampledToken(int(self.tokens[j, i]), float(lp.logprobs[j, i]), int(lp.ranks[j, i]),
+                             lp.top_ids[j, i] if top else None, lp.top_logprobs[j, i] if top else None)
+                for j in range(ran)]

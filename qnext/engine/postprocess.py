@@ -82,6 +82,19 @@ def append_sampled(seq: Sequence, token: SampledToken, eos_token_ids: Seq[int], 
     return stop
 
 
+def append_window(seq: Sequence, tokens: Seq[SampledToken], eos_token_ids: Seq[int], max_model_len: int
+                  ) -> Stop | None:
+    """A multi-token step's tokens, appended one at a time as plain decoding does (append_sampled) up to and
+    including the first that stops the request, a stop string's included: the request's tokens, text and logprobs
+    are exactly plain decoding's. Tokens after the stop are dropped (their KV and states lie past what the cache
+    publishes: the scheduler keeps num_computed_tokens at the tokens kept)."""
+    for token in tokens:
+        stop = append_sampled(seq, token, eos_token_ids, max_model_len)
+        if stop is not None:
+            return stop
+    return None
+
+
 def mark_finished(seq: Sequence, stop: Stop) -> None:
     seq.status = SequenceStatus.FINISHED
     seq.finish_reason, seq.stop_reason = stop

@@ -174,17 +174,20 @@ class ModelRunner:
                 spec.capture_at[i], spec.capture_row[i] = step, row
             spec.stop_ids[i, :len(ids)] = ids
         rows = _sampling_rows(plan.items)       # greedy rows with penalties need their tensors too
-        sampling = None if self.sampler_inputs.plain_greedy(rows) else self.sampler_inputs.build(rows, d)[0]
+        sampling, num_logprobs = (None, None) if self.sampler_inputs.plain_greedy(rows) else \
+            self.sampler_inputs.build(rows, d)
         t1 = time.perf_counter()
-        tokens, ran, drafts, buffers = self._spec_step(self.params, self.mtp, plan.buffers, inputs,
-                                                       spec, sampling)
+        tokens, ran, drafts, buffers, logprobs = self._spec_step(self.params, self.mtp, plan.buffers, inputs,
+                                                                 spec, sampling, num_logprobs=num_logprobs)
         tokens, ran, drafts = np.asarray(tokens)[:m].T, np.asarray(ran)[:m], np.asarray(drafts)[:m].tolist()
+        if logprobs is not None:                 # [D, k + 1, ...] -> [k + 1, items, ...], as tokens
+            logprobs = jax.tree.map(lambda x: np.swapaxes(np.asarray(x)[:m], 0, 1), jax.device_get(logprobs))
         s = self.stats
         s.num_spec_rows += m
         s.num_draft_tokens += sum(steps - 1 for steps in multi.steps)
         s.num_accepted_draft_tokens += int(ran.sum()) - m
         self.stats.add_phases(layout=t1 - t0, device=time.perf_counter() - t1, model_steps=1)
-        return StepResult(buffers, tokens=tokens, ran=ran,
+        return StepResult(buffers, tokens=tokens, ran=ran, logprobs=logprobs,
                           drafts={it.seq.request_id: drafts[i] for i, it in enumerate(plan.items)})
 
     def _token_bitmask(self, plan: StepPlan) -> np.ndarray | None:
@@ -339,11 +342,12 @@ class ModelRunner:
             d = s.num_decode
             verify = verify_inputs([], [], [], [], [], d, window_length(k, self.cfg.backend), s.max_blocks,
                                    self.config.block_size)
-            _, _, _, buffers = self._spec_step(self.params, self.mtp, buffers, verify, SpecInputs.padding(d, k), None)
+            _, _, _, buffers, _ = self._spec_step(self.params, self.mtp, buffers, verify, SpecInputs.padding(d, k),
+                                                  None)
             tensors, _ = self.sampler_inputs.build([SamplingRow("warm-up", _WARM_UP_SAMPLING[1], [0], [], 0)], d)
             self.sampler_inputs.free("warm-up")
-            _, _, _, buffers = self._spec_step(self.params, self.mtp, buffers, verify, SpecInputs.padding(d, k),
-                                               tensors)
+            _, _, _, buffers, _ = self._spec_step(self.params, self.mtp, buffers, verify, SpecInputs.padding(d, k),
+                                                  tensors)
         return buffers
 
     def warm_up(self, buffers: CacheBuffers, on_bucket=None) -> CacheBuffers:

@@ -138,13 +138,20 @@ def sample(logits, tensors: SamplingTensors, num_logprobs: int | None = 0) -> Sa
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)
         sampled = first_argmax(x + gumbel)
         tokens = jnp.where(is_greedy, greedy_tokens, sampled).astype(jnp.int32)
+    return token_logprobs(logits, tokens, num_logprobs)
+
+
+def token_logprobs(logits, tokens, num_logprobs: int | None) -> SamplerOutput:
+    """The logprobs `sample` reports for tokens [N] drawn from rows of raw logits [N, V]: the token's raw
+    log-softmax, its rank and the top num_logprobs (None: none asked, logprob 0 and rank 1; 0: no rank or top)."""
+    n = tokens.shape[0]
     no_top = (jnp.zeros((n, 0), jnp.float32), jnp.zeros((n, 0), jnp.int32))
     if num_logprobs is None:
         return SamplerOutput(tokens, jnp.zeros((n,), jnp.float32), jnp.ones((n,), jnp.int32), *no_top)
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    raw_logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
     if num_logprobs == 0:                        # ranks and top-k only when someone asked for logprobs
-        return SamplerOutput(tokens, token_logprobs, jnp.ones((n,), jnp.int32), *no_top)
-    ranks = (raw_logprobs > token_logprobs[:, None]).sum(-1).astype(jnp.int32) + 1
+        return SamplerOutput(tokens, chosen, jnp.ones((n,), jnp.int32), *no_top)
+    ranks = (raw_logprobs > chosen[:, None]).sum(-1).astype(jnp.int32) + 1
     top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
-    return SamplerOutput(tokens, token_logprobs, ranks, top_logprobs, top_ids.astype(jnp.int32))
+    return SamplerOutput(tokens, chosen, ranks, top_logprobs, top_ids.astype(jnp.int32))

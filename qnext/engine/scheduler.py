@@ -23,7 +23,7 @@ from cache.device_buffers import HostTierBuffers
 from cache.fork_copies import apply_fork_copies
 from qnext.engine.config import EngineConfig
 from qnext.engine.plan import MultiStepPlan, ScheduledSequence, StepPlan, StepResult
-from qnext.engine.postprocess import Stop, append_sampled, append_tokens, device_stop_ids, mark_finished
+from qnext.engine.postprocess import Stop, append_sampled, append_window, device_stop_ids, mark_finished
 from qnext.engine.sampling_inputs import stateless
 from qnext.engine.sequence import Sequence, SequenceStatus
 from qnext.model.buckets import BucketTable
@@ -173,28 +173,26 @@ class Scheduler:
 
     def _multi_step_ok(self, work: list[_Work]) -> bool:
         """Several decode steps may run in one call when every item decodes (its prompt computed), and its
-        sampling needs no per-step host state (no logprobs, penalties or suppressed ids) and no stop strings
-        (the detokenizer's, which the device cannot check)."""
+        sampling needs no per-step host state (no logprobs, penalties or suppressed ids). Stop strings may run:
+        the host appends the tokens one at a time and drops those after a stop string (append_window)."""
         if self.config.num_scheduler_steps < 2:
             return False
         return all(w.num_tokens == 1 and w.end == w.seq.num_tokens and w.start >= len(w.seq.prompt_token_ids)
-                   and not w.seq.params.stop
                    and stateless(w.seq.params, len(w.seq.output_token_ids), self.eos_token_ids, self.vocab_size)
                    for w in work)
 
     def _speculative_ok(self, work: list[_Work]) -> bool:
         """An MTP speculative step runs when every item decodes, holds its k drafts, and could run multi-step
-        (its next tokens depend only on its logits and position; no stop strings) or differs only by penalties
-        (applied per window position), and the step has no more rows than speculative_config's
-        disable_by_batch_size."""
+        (its next tokens depend only on its logits and position) or differs only by penalties (applied per window
+        position) or logprobs (the verify pass reports them per window position), and the step has no more rows
+        than speculative_config's disable_by_batch_size."""
         k = self.config.num_speculative_tokens
         if self.config.speculation_disabled_at(len(work)):
             return False
         return bool(k) and all(len(w.seq.draft_token_ids) == k and not w.seq.pending_forks for w in work) and all(
             w.num_tokens == 1 and w.end == w.seq.num_tokens and w.start >= len(w.seq.prompt_token_ids)
-            and not w.seq.params.stop
             and stateless(w.seq.params, len(w.seq.output_token_ids), self.eos_token_ids, self.vocab_size,
-                          penalties_ok=True)
+                          penalties_ok=True, logprobs_ok=True)
             for w in work)
 
     def _multi_step_plan(self, work: list[_Work], window: int | None = None) -> MultiStepPlan:
@@ -210,6 +208,12 @@ class Scheduler:
                 n = min(n, p.max_tokens - len(seq.output_token_ids))
             if not cache.append_slots(rid, w.start + n):           # blocks for the extra tokens, if free
                 n = max(1, min(n, len(cache.block_table(rid)) * bs - w.start))
+            if p.stop:
+                # the host may drop the tokens after a stop string (append_window), and with them any state the
+                # window captured past the first: a boundary is captured at the window's first step only (its
+                # input token is always kept), so the window ends before a later one and the next window starts
+                # on it. Otherwise the tracking row would be overwritten by a state the host cannot record.
+                n = next((e - w.start - 1 for e in range(w.start + 2, w.start + n + 1) if e % bs == 0), n)
             ends = [e for e in range(w.start + 1, w.start + n + 1) if e % bs == 0]   # boundaries computed
             row = cache.decode_tracking_row(rid) if ends and cache.uses_snapshots else None
             plan.steps.append(n)
@@ -238,7 +242,7 @@ class Scheduler:
                 reached = [step for step in plan.multi.captures[i] if step < ran]
                 if reached:                  # the tracking row now holds the state after this many tokens
                     self.cache.decode_capture_row(seq.request_id, it.start + max(reached) + 1)
-                stop = append_tokens(seq, result.tokens[:ran, i].tolist(), self.eos_token_ids, self.max_model_len)
+                stop = append_window(seq, result.item_tokens(i), self.eos_token_ids, self.max_model_len)
                 seq.num_computed_tokens = seq.num_tokens - 1     # the last token is sampled, not yet run
                 produced = True
             seq.draft_token_ids = result.drafts.get(seq.request_id, [])

@@ -25,7 +25,7 @@ import numpy as np
 from flax import struct
 
 from qnext.config import ModelConfig
-from qnext.engine.sampler import SamplingTensors
+from qnext.engine.sampler import SamplingTensors, token_logprobs
 from qnext.engine.spec_decode import accept_rows
 from qnext.model.forward import decoder_stack, lm_logits
 from qnext.model.mtp_step import draft_chain, mtp_layer, replace_kv
@@ -99,12 +99,15 @@ def verify_inputs(windows, read_rows, write_rows, tables, starts, rows: int, len
 
 @functools.lru_cache(maxsize=None)
 def make_spec_step(cfg: ModelConfig, num_speculative_tokens: int, block_size: int):
-    """jit(params, mtp, buffers, inputs, spec, sampling) -> (tokens [D, k + 1] int32, ran [D] int32 tokens each
-    row keeps, next drafts [D, k] int32, buffers); sampling: the rows' SamplingTensors, or None when every row is
-    greedy. Cache buffers are donated."""
+    """jit(params, mtp, buffers, inputs, spec, sampling, num_logprobs=None) -> (tokens [D, k + 1] int32, ran [D]
+    int32 tokens each row keeps, next drafts [D, k] int32, buffers, logprobs); sampling: the rows' SamplingTensors,
+    or None when every row needs no tensors (plain greedy); num_logprobs (static): `sample`'s K for the emitted
+    tokens' logprobs, a SamplerOutput whose fields are [D, k + 1, ...] (the target's raw logits at each window
+    position, as plain decoding reports them), or None for none. Cache buffers are donated."""
     k = num_speculative_tokens
 
-    def run(params, mtp, buffers, inputs: StepInputs, spec: SpecInputs, sampling: SamplingTensors | None):
+    def run(params, mtp, buffers, inputs: StepInputs, spec: SpecInputs, sampling: SamplingTensors | None,
+            num_logprobs: int | None = None):
         pre = inputs.prefill
         d, length = pre.token_index.shape
         x, pending = decoder_stack(params, buffers, inputs, cfg, linear_layer=verify_deltanet)
@@ -124,9 +127,13 @@ def make_spec_step(cfg: ModelConfig, num_speculative_tokens: int, block_size: in
         last = jnp.arange(d) * length + jnp.maximum(keep, 0)
         drafts, kv = draft_chain(params, mtp, kv, own[last], inputs.positions[last], pre.block_table, ran > 0, k,
                                  cfg, block_size, 1)
-        return acc.tokens, ran, drafts, replace_kv(buffers, kv)
+        logprobs = None
+        if num_logprobs is not None:
+            flat = token_logprobs(logits.reshape(d * (k + 1), -1), acc.tokens.reshape(-1), num_logprobs)
+            logprobs = jax.tree.map(lambda x: x.reshape(d, k + 1, *x.shape[1:]), flat)
+        return acc.tokens, ran, drafts, replace_kv(buffers, kv), logprobs
 
-    return jax.jit(run, donate_argnums=(2,))
+    return jax.jit(run, donate_argnums=(2,), static_argnames=("num_logprobs",))
 
 
 @functools.lru_cache(maxsize=None)
