@@ -64,6 +64,13 @@ class SampledToken:
     top_ids: np.ndarray | None
     top_logprobs: np.ndarray | None
 
+    @classmethod
+    def from_output(cls, out, index) -> "SampledToken":
+        """Entry `index` of a host copy of a sampler.SamplerOutput (top ids and logprobs None when it has none)."""
+        top = out.top_ids.shape[-1] > 0
+        return cls(int(out.token_ids[index]), float(out.logprobs[index]), int(out.ranks[index]),
+                   out.top_ids[index] if top else None, out.top_logprobs[index] if top else None)
+
 
 @dataclasses.dataclass
 class StepResult:
@@ -78,10 +85,7 @@ class StepResult:
 
     def item_tokens(self, i: int) -> list[SampledToken]:
         """A multi-token step's tokens for item i, in order, with their logprobs."""
-        ran, lp = int(self.ran[i]), self.logprobs
-        if lp is None:
+        ran = int(self.ran[i])
+        if self.logprobs is None:
             return [SampledToken(int(t), 0.0, 1, None, None) for t in self.tokens[:ran, i]]
-        top = lp.top_ids.shape[-1] > 0
-        return [SampledToken(int(self.tokens[j, i]), float(lp.logprobs[j, i]), int(lp.ranks[j, i]),
-                             lp.top_ids[j, i] if top else None, lp.top_logprobs[j, i] if top else None)
-                for j in range(ran)]
+        return [SampledToken.from_output(self.logprobs, (j, i)) for j in range(ran)]

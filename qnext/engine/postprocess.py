@@ -37,29 +37,24 @@ def device_stop_ids(params: SamplingParams, eos_token_ids: Seq[int]) -> list[int
     return ([] if params.ignore_eos else list(eos_token_ids)) + list(params.stop_token_ids)
 
 
-def append_tokens(seq: Sequence, token_ids: list[int], eos_token_ids: Seq[int], max_model_len: int) -> Stop | None:
-    """Appends tokens up to and including the first that stops the request (check_stop, token by token),
-    detokenises them at once (stop strings included) and returns the stop, or None."""
-    out, p, stop = seq.output_token_ids, seq.params, None
-    kept = 0
-    for token in token_ids:
-        out.append(token)
-        kept += 1
-        stop = check_stop(p, out, eos_token_ids, seq.num_tokens, max_model_len)
-        if stop is not None:
-            break
+def append_token(seq: Sequence, token_id: int, eos_token_ids: Seq[int], max_model_len: int) -> Stop | None:
+    """Appends one token, checks its stop (check_stop), detokenises it (stop strings included) and returns the
+    stop, or None."""
+    out = seq.output_token_ids
+    out.append(token_id)
+    stop = check_stop(seq.params, out, eos_token_ids, seq.num_tokens, max_model_len)
     if seq.first_token_time is None:
         seq.first_token_time = time.perf_counter()
     if seq.detokenizer is not None:
         token_stop = stop is not None and stop[0] == "stop"
-        stop_string = seq.detokenizer.update(out[len(out) - kept:], stop_token_terminated=token_stop)
+        stop_string = seq.detokenizer.update([token_id], stop_token_terminated=token_stop)
         if stop_string is not None:
             stop = ("stop", stop_string)
     return stop
 
 
 def append_sampled(seq: Sequence, token: SampledToken, eos_token_ids: Seq[int], max_model_len: int) -> Stop | None:
-    """append_tokens for one sampled token, with its logprobs when the request asked for them. A structured
+    """append_token for one sampled token, with its logprobs when the request asked for them. A structured
     request's matcher takes the token first: a token its grammar rejects is not appended and ends the request
     (DEAD_END); a token that completes the grammar ends it with ("stop", None), min_tokens or not."""
     p = seq.params
@@ -76,7 +71,7 @@ def append_sampled(seq: Sequence, token: SampledToken, eos_token_ids: Seq[int], 
                                            token.top_ids if token.top_ids is not None else [],
                                            token.top_logprobs if token.top_logprobs is not None else [],
                                            p.logprobs, decode))
-    stop = append_tokens(seq, [token.token_id], eos_token_ids, max_model_len)
+    stop = append_token(seq, token.token_id, eos_token_ids, max_model_len)
     if seq.structured is not None and seq.structured.is_complete and (stop is None or stop[0] == "length"):
         stop = "stop", None
     return stop

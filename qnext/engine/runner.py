@@ -181,7 +181,7 @@ class ModelRunner:
                                                                  spec, sampling, num_logprobs=num_logprobs)
         tokens, ran, drafts = np.asarray(tokens)[:m].T, np.asarray(ran)[:m], np.asarray(drafts)[:m].tolist()
         if logprobs is not None:                 # [D, k + 1, ...] -> [k + 1, items, ...], as tokens
-            logprobs = jax.tree.map(lambda x: np.swapaxes(np.asarray(x)[:m], 0, 1), jax.device_get(logprobs))
+            logprobs = jax.tree.map(lambda x: np.swapaxes(x[:m], 0, 1), jax.device_get(logprobs))
         s = self.stats
         s.num_spec_rows += m
         s.num_draft_tokens += sum(steps - 1 for steps in multi.steps)
@@ -227,10 +227,7 @@ class ModelRunner:
         tensors, num_logprobs = self.sampler_inputs.build(rows, num_rows)
         tensors = tensors._replace(token_bitmask=bitmask)
         result = jax.device_get(_sample_rows(logits, index, tensors, num_logprobs=num_logprobs))
-        return {it.seq.request_id: SampledToken(
-            int(result.token_ids[j]), float(result.logprobs[j]), int(result.ranks[j]),
-            result.top_ids[j] if num_logprobs else None, result.top_logprobs[j] if num_logprobs else None)
-            for j, (_, it) in enumerate(sampling)}
+        return {it.seq.request_id: SampledToken.from_output(result, j) for j, (_, it) in enumerate(sampling)}
 
     def _execute_multi(self, plan: StepPlan) -> StepResult:
         """Up to num_scheduler_steps decode steps in one call (multi_step.py); the items' block tables already
