@@ -233,8 +233,10 @@ class LLMEngine:
             params = dataclasses.replace(params, n=1, seed=seed)
         structured = None             # each sample its own matcher and budget
         if params.structured_outputs is not None:
-            matcher = validate_structured(params, self.grammar_compiler())
-            structured = StructuredState(matcher, params.structured_outputs.start_after)
+            compiler = self.grammar_compiler()
+            matcher = validate_structured(params, compiler)
+            structured = StructuredState(matcher, params.structured_outputs.start_after,
+                                         grammar_eos_ids=compiler.special_eos_token_ids)
         detokenizer = IncrementalDetokenizer(self.tokenizer, params) if self.tokenizer is not None else None
         seq = Sequence(request_id if index == 0 else f"{request_id}#{index}", token_ids, params,
                        self._request_counter, prompt=text, detokenizer=detokenizer, index=index,

@@ -229,6 +229,10 @@ def chat_request(body: dict, history: list[dict] | None = None) -> tuple[dict, s
     choice = chat_tool_choice(body.get("tool_choice"))
     if choice is not None:
         out["tool_choice"] = choice
+    if body.get("parallel_tool_calls") is not None:
+        _require(isinstance(body["parallel_tool_calls"], bool), "parallel_tool_calls must be a boolean",
+                 "parallel_tool_calls")
+        out["parallel_tool_calls"] = body["parallel_tool_calls"]
     thinking = enable_thinking(body)
     if thinking is not None:
         out["chat_template_kwargs"] = {"enable_thinking": thinking}

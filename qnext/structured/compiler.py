@@ -63,6 +63,9 @@ class GrammarCompiler:
             tokenizer = tokenizers.Tokenizer.from_str(tokenizer)
         self.vocab_size = vocab_size
         self.tokenizer = llguidance_tokenizer(tokenizer, vocab_size, list(eos_token_ids))
+        # eos ids that are special tokens: a grammar allows one only where it is complete or where it names the
+        # token itself (`<|im_end|>` in Lark), never as text
+        self.special_eos_token_ids = frozenset(t for t in eos_token_ids if self.tokenizer.is_special_token(t))
         self._limits = llguidance.LLParserLimits(**_LIMITS)
         self._cache: collections.OrderedDict[tuple[str, str], llguidance.LLMatcher] = collections.OrderedDict()
         self._max_cached = max_cached

@@ -21,8 +21,12 @@ DEAD_END = "error"
 
 
 class StructuredState:
-    def __init__(self, matcher: llguidance.LLMatcher, start_after: Sequence[int] | None = None):
+    def __init__(self, matcher: llguidance.LLMatcher, start_after: Sequence[int] | None = None,
+                 grammar_eos_ids: frozenset[int] = frozenset()):
+        """grammar_eos_ids: eos ids the grammar itself decides on (special tokens: the mask allows one only where
+        the grammar is complete or names it); other eos ids are taken away until the output is a full match."""
         self.matcher = matcher
+        self.grammar_eos_ids = grammar_eos_ids
         self.start_after = tuple(start_after or ())
         self.active = not self.start_after       # the grammar applies to the next token
         self._tail: list[int] = []               # last tokens, while waiting for start_after
@@ -42,7 +46,7 @@ class StructuredState:
 
     def copy(self) -> "StructuredState":
         """An independent state at the same point (a parallel sample's own matcher, n > 1)."""
-        other = StructuredState(self.matcher.deep_copy(), self.start_after)
+        other = StructuredState(self.matcher.deep_copy(), self.start_after, self.grammar_eos_ids)
         other.active, other._tail, other.error = self.active, list(self._tail), self.error
         return other
 
@@ -76,7 +80,9 @@ def fill_bitmask(rows: Sequence[tuple[int, StructuredState]], num_rows: int, voc
 
     The engine's eos ids are cleared in rows whose grammar does not accept the output so far: the engine stops a
     request at any of them, and a checkpoint may list an ordinary text token among them (llguidance would allow
-    it as text), so a constrained row samples one only where stopping leaves a full match."""
+    it as text), so a constrained row samples one only where stopping leaves a full match. Eos ids in a row's
+    grammar_eos_ids (special tokens) are left as llguidance decided: it allows them only where the grammar names
+    them, e.g. `... <|im_end|>`."""
     global _executor
     bitmask = np.full((num_rows, bitmask_words(vocab_size)), -1, np.int32)
     waiting = [(i, s) for i, s in rows if not s.active]      # before start_after: all tokens but eos
@@ -88,10 +94,12 @@ def fill_bitmask(rows: Sequence[tuple[int, StructuredState]], num_rows: int, voc
     else:
         for i, state in rows:
             llguidance.numpy.fill_next_token_bitmask(state.matcher, bitmask, i)
-    eos = np.asarray([t for t in eos_token_ids if 0 <= t < vocab_size], np.int64)
-    if eos.size:
-        clear = ~(np.int64(1) << (eos & 31)).astype(np.uint32).view(np.int32)
-        for i, state in rows + waiting:
-            if not state.active or not state.matcher.is_accepting():
-                np.bitwise_and.at(bitmask[i], eos >> 5, clear)
+    for i, state in rows + waiting:
+        if state.active and state.matcher.is_accepting():
+            continue
+        eos = np.asarray([t for t in eos_token_ids if 0 <= t < vocab_size
+                          and not (state.active and t in state.grammar_eos_ids)], np.int64)
+        if eos.size:
+            clear = ~(np.int64(1) << (eos & 31)).astype(np.uint32).view(np.int32)
+            np.bitwise_and.at(bitmask[i], eos >> 5, clear)
     return bitmask
