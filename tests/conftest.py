@@ -18,3 +18,17 @@ def tiny_checkpoint(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_code():
+    """After each module, drop JAX's caches of compiled steps. Every XLA:CPU executable holds memory mappings of
+    its own; kept for the whole run, one pytest process of this suite passed Linux's default vm.max_map_count
+    (65,530) and XLA crashed (SIGSEGV) compiling the next step. A module's steps are not reused by the next one."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()

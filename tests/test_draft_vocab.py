@@ -56,8 +56,10 @@ def test_frequent_tokens_rank_by_count_then_id_and_coverage_counts_tokens():
     assert coverage(ids, [[4, 2], [9, 9, 5, 7]]) == pytest.approx(4 / 6)
 
 
-def test_draft_over_a_map_is_the_map_id_with_the_largest_logit(tiny_checkpoint):
-    path = tiny_checkpoint("qwen3_5")
+@pytest.mark.parametrize("tokenizer", ["tiny", "qwen3.5"])
+def test_draft_over_a_map_is_the_map_id_with_the_largest_logit(tiny_checkpoint, tokenizer, tmp_path):
+    """Also at Qwen3.5's real vocabulary (248,320 rows), with the single-token tags in the map."""
+    path = tiny_checkpoint("qwen3_5", tokenizer=tokenizer)
     cfg = ModelConfig.from_pretrained(path)
     params = load_params(path, cfg)
     hidden = jax.random.normal(jax.random.key(0), (6, cfg.hidden_size))
@@ -67,7 +69,9 @@ def test_draft_over_a_map_is_the_map_id_with_the_largest_logit(tiny_checkpoint):
     permuted = np.random.default_rng(0).permutation(cfg.vocab_size).astype(np.int32)
     assert np.asarray(draft_argmax(params, {"draft_token_ids": jnp.asarray(permuted)}, cfg)(hidden)).tolist() \
         == full.tolist()                                     # the whole vocabulary in another order: same drafts
-    subset = np.array([11, 3, 40, 7], np.int32)
+    subset = np.array([11, 3, 40, 7] if tokenizer == "tiny" else [248058, 3, 248069, 120_000], np.int32)
+    np.save(tmp_path / TOKEN_MAP_FILE, subset)
+    assert load_token_map(tmp_path / TOKEN_MAP_FILE, cfg.vocab_size).tolist() == subset.tolist()
     want = subset[logits[:, subset].argmax(-1)]
     assert np.asarray(draft_argmax(params, {"draft_token_ids": jnp.asarray(subset)}, cfg)(hidden)).tolist() \
         == want.tolist()
