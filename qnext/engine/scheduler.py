@@ -18,9 +18,7 @@ import time
 from collections.abc import Sequence as Seq
 
 from cache import CacheManager
-from cache.device_buffers import CacheBuffers
-from cache.device_buffers import HostTierBuffers
-from cache.fork_copies import apply_fork_copies
+from cache.device_buffers import CacheBuffers, HostTierBuffers, apply_fork_copies
 from qnext.engine.config import EngineConfig
 from qnext.engine.plan import MultiStepPlan, ScheduledSequence, StepPlan, StepResult
 from qnext.engine.postprocess import Stop, append_sampled, append_window, device_stop_ids, mark_finished
