@@ -18,8 +18,9 @@ releases a chain's blocks together (the cache manager holds every block of a seq
 and an allocation that cannot be served fails before it evicts anything.
 """
 import heapq
-from collections import deque
 from typing import Callable, Iterable, Sequence
+
+from cache.free_list import FreeList
 
 NULL_BLOCK = 0
 
@@ -47,7 +48,7 @@ class BlockPool:
         self.on_evict = on_evict or (lambda block_ids: None)
         self.max_cached_blocks = max_cached_blocks
         self._blocks = [_Block(i) for i in range(num_blocks)]
-        self._free: deque[int] = deque(range(1, num_blocks))
+        self._free = FreeList(range(1, num_blocks), fifo=True)
         self._by_hash: dict[bytes, int] = {}
         # two heaps (unprotected, protected) of (last_used, block_id); stale entries are skipped lazily
         self._leaf_lru: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])
@@ -146,7 +147,7 @@ class BlockPool:
         evicted: list[int] = []
         while len(out) < n:
             if self._free:
-                block_id = self._free.popleft()
+                block_id = self._free.take()
             else:
                 block_id = self._evict_one()
                 if block_id is None:
@@ -171,7 +172,7 @@ class BlockPool:
             if b.ref_count:
                 continue
             if b.hash is None:
-                self._free.append(block_id)
+                self._free.put(block_id)
             else:
                 self._num_unreferenced_cached += 1
                 b.last_used = self._clock
@@ -221,7 +222,7 @@ class BlockPool:
             if block_id is None:
                 break
             evicted.append(block_id)
-            self._free.append(block_id)
+            self._free.put(block_id)
         if evicted:
             self.on_evict(evicted)
         return evicted
@@ -240,7 +241,7 @@ class BlockPool:
             b.num_children = 0
             b.protected = False
             if b.ref_count == 0:
-                self._free.append(block_id)
+                self._free.put(block_id)
         self._by_hash.clear()
         for heap in self._leaf_lru:
             heap.clear()

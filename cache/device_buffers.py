@@ -1,5 +1,5 @@
-"""The device buffers the cache manager's bookkeeping refers to, and the copies between them and the host tier
-(the one module of `cache/` that imports jax).
+"""The device buffers the cache manager's bookkeeping refers to, the copies between them and the host tier, and the
+forks' copies inside them (the one module of `cache/` that imports jax; cache/persisted_cache.py reads through it).
 
 KV pages per full-attention layer, and state rows per linear-attention layer: row 0 is the zero state (never written),
 rows 1..num_live_slots hold live sequences, the rest are the prefix-snapshot pool (docs/CONTRACTS.md). Restoring
@@ -15,6 +15,10 @@ device copy and one jitted scatter per kind, the device buffers donated). Index 
 two so that few shapes compile; padded gathers read block / row 0, padded scatters write out of range and are
 dropped (the zero state row is never written); at most MAX_COPY blocks (rows) go in one call. On CPU the
 "device" is host memory and the same code is a copy.
+
+Forks (cache/forks.py): `apply_fork_copies` copies state rows and KV blocks inside the buffers, every layer in one
+jitted call (donated); rows and blocks are padded to the same power of two (blocks to 1 when none is copied), so
+`warm_up_fork_copies` compiles every shape; padded entries read row / block 0 and write out of range (dropped).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from cache.forks import ForkCopies
 from cache.stats import TierStats
 from cache.transfers import TransferPlan
 
@@ -196,10 +201,43 @@ def _chunks(pairs: dict[int, int]):
         yield keys[i:i + MAX_COPY], values[i:i + MAX_COPY]
 
 
-def _padded(indices: list[int], fill: int) -> np.ndarray:
-    """indices as int32, padded with `fill` to the next power of two (bounded compilations)."""
-    size = 1 << max(0, len(indices) - 1).bit_length()
-    out = np.full(size, fill, np.int32)
+def apply_fork_copies(copies: ForkCopies, buffers: CacheBuffers) -> CacheBuffers:
+    """Runs the queued fork copies on the buffers (donated) -> the new buffers."""
+    if not copies:
+        return buffers
+    num_rows, num_blocks = _fork_bounds(buffers)
+    size = _pow2(max(len(copies.dst_rows), len(copies.dst_blocks)))      # blocks: the rows' size, or 1 if none
+    block_size = size if copies.dst_blocks else 1
+    return _fork_copy(buffers, _padded(copies.src_rows, 0, size), _padded(copies.dst_rows, num_rows, size),
+                      _padded(copies.src_blocks, 0, block_size), _padded(copies.dst_blocks, num_blocks, block_size))
+
+
+def warm_up_fork_copies(buffers: CacheBuffers, max_forks: int) -> CacheBuffers:
+    """Compiles every fork copy shape up to max_forks forks at once (rows and blocks padded to the same power of
+    two, or no block: a prompt that ends on a block boundary) on copies that write nothing."""
+    num_rows, num_blocks = _fork_bounds(buffers)
+    size = 1
+    while True:
+        for blocks in {size, 1}:
+            buffers = _fork_copy(buffers, np.zeros(size, np.int32), np.full(size, num_rows, np.int32),
+                                 np.zeros(blocks, np.int32), np.full(blocks, num_blocks, np.int32))
+        if size >= max_forks:
+            return buffers
+        size *= 2
+
+
+def _fork_bounds(buffers: CacheBuffers) -> tuple[int, int]:
+    """(state rows, KV blocks) of the buffers: the out-of-range index of each."""
+    return (buffers.conv[0].shape[0] if buffers.conv else 1), (buffers.kv[0][0].shape[1] if buffers.kv else 1)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _padded(indices: list[int], fill: int, size: int | None = None) -> np.ndarray:
+    """indices as int32, padded with `fill` to `size` (default: the next power of two; bounded compilations)."""
+    out = np.full(_pow2(len(indices)) if size is None else size, fill, np.int32)
     out[:len(indices)] = indices
     return out
 
@@ -234,3 +272,17 @@ def _scatter_rows(state, rows, values):   # out-of-range rows dropped
     (conv, recurrent), (vc, vr) = state, values
     return (tuple(c.at[rows].set(x.astype(c.dtype), mode="drop") for c, x in zip(conv, vc)),
             tuple(r.at[rows].set(x.astype(r.dtype), mode="drop") for r, x in zip(recurrent, vr)))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _fork_copy(buffers: CacheBuffers, src_rows, dst_rows, src_blocks, dst_blocks) -> CacheBuffers:
+    # all reads happen before any write: a functional gather of the old buffers, then the scatter
+    def rows(x):                     # [R, ...]
+        return x.at[dst_rows].set(x[src_rows], mode="drop")
+
+    def blocks(x):                   # [Hkv, num_blocks, block_size, D]
+        return x.at[page_index(x, dst_blocks)].set(x[page_index(x, src_blocks)], mode="drop")
+
+    return CacheBuffers(kv=tuple((blocks(k), blocks(v)) for k, v in buffers.kv),
+                        conv=tuple(rows(c) for c in buffers.conv),
+                        recurrent=tuple(rows(r) for r in buffers.recurrent))

@@ -13,6 +13,8 @@ import dataclasses
 import heapq
 from typing import Iterator, Sequence
 
+from cache.free_list import FreeList
+
 
 @dataclasses.dataclass(eq=False)
 class HostBlock:
@@ -30,7 +32,7 @@ class HostBlockStore:
         if num_slots < 0:
             raise ValueError(f"num_slots={num_slots} must be >= 0")
         self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._free = FreeList(range(num_slots))
         self._by_hash: dict[bytes, HostBlock] = {}
         self._by_uid: dict[int, HostBlock] = {}
         self._children: dict[int | None, set[int]] = {}    # parent uid -> uids of its children held here
@@ -83,7 +85,7 @@ class HostBlockStore:
                 return None, evicted
             evicted.append(victim)
         self._clock += 1
-        e = HostBlock(uid, block_hash, parent_uid, tuple(token_ids), self._free.pop(), self._clock)
+        e = HostBlock(uid, block_hash, parent_uid, tuple(token_ids), self._free.take(), self._clock)
         self._by_hash[block_hash] = e
         self._by_uid[uid] = e
         self._children.setdefault(parent_uid, set()).add(uid)
@@ -95,7 +97,7 @@ class HostBlockStore:
         its children stay, under a parent that is now on the device."""
         e = self._by_uid.pop(uid)
         del self._by_hash[e.hash]
-        self._free.append(e.slot)
+        self._free.put(e.slot)
         siblings = self._children[e.parent_uid]
         siblings.discard(uid)
         if not siblings:
@@ -140,7 +142,7 @@ class HostBlockStore:
 
     def clear(self) -> list[HostBlock]:
         dropped = list(self._by_uid.values())
-        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._free.reset()
         self._by_hash.clear()
         self._by_uid.clear()
         self._children.clear()

@@ -7,13 +7,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterator
 
+from cache.free_list import FreeList
+
 
 class HostSnapshotStore:
     def __init__(self, num_slots: int):
         if num_slots < 0:
             raise ValueError(f"num_slots={num_slots} must be >= 0")
         self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._free = FreeList(range(num_slots))
         self._lru: OrderedDict[bytes, int] = OrderedDict()     # prefix hash -> slot, least recently used first
         self._origin: dict[bytes, str] = {}
         self._hits: dict[bytes, int] = {}
@@ -42,7 +44,7 @@ class HostSnapshotStore:
             if evicted is None:
                 return None, None
             self.discard(evicted)
-        slot = self._free.pop()
+        slot = self._free.take()
         self._lru[prefix_hash] = slot
         self._origin[prefix_hash], self._hits[prefix_hash] = origin, hits
         return slot, evicted
@@ -73,7 +75,7 @@ class HostSnapshotStore:
         slot = self._lru.pop(prefix_hash, None)
         if slot is None:
             return False
-        self._free.append(slot)
+        self._free.put(slot)
         del self._origin[prefix_hash], self._hits[prefix_hash]
         self._pinned.discard(prefix_hash)
         return True
@@ -84,5 +86,5 @@ class HostSnapshotStore:
         self._origin.clear()
         self._hits.clear()
         self._pinned.clear()
-        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._free.reset()
         return dropped

@@ -12,6 +12,8 @@ and its number of hits (promotions).
 from collections import OrderedDict
 from typing import Callable, Iterable
 
+from cache.free_list import FreeList
+
 NUM_PRIORITIES = 2
 
 
@@ -19,7 +21,7 @@ class SnapshotPool:
     def __init__(self, rows: Iterable[int], on_evict: Callable[[bytes], None] | None = None):
         self.rows = tuple(rows)
         self.on_evict = on_evict or (lambda prefix_hash: None)
-        self._free = list(reversed(self.rows))
+        self._free = FreeList(self.rows)
         self._reserved: set[int] = set()
         self._lru: list[OrderedDict[bytes, int]] = [OrderedDict() for _ in range(NUM_PRIORITIES)]
         self._priority: dict[bytes, int] = {}
@@ -63,14 +65,14 @@ class SnapshotPool:
         may_evict_protected=False only a probation snapshot may go (None rather than evict a protected one)."""
         if not self._free and self.evict_lru(may_evict_protected) is None:
             return None
-        row = self._free.pop()
+        row = self._free.take()
         self._reserved.add(row)
         return row
 
     def release(self, row: int) -> None:
         """Give back a reserved row that will not be registered."""
         self._reserved.remove(row)
-        self._free.append(row)
+        self._free.put(row)
 
     def register(self, prefix_hash: bytes, row: int, priority: int = 0, origin: str = "", hits: int = 0) -> None:
         """A reserved row now holds the state for prefix_hash; an older row for the same hash is dropped. `hits`:
@@ -126,7 +128,7 @@ class SnapshotPool:
         del self._pins[row]
         if row in self._doomed:
             self._doomed.remove(row)
-            self._free.append(row)
+            self._free.put(row)
 
     def discard(self, prefix_hash: bytes) -> bool:
         """Unregister a snapshot and free its row (at the last unpin if pinned)."""
@@ -139,7 +141,7 @@ class SnapshotPool:
         if row in self._pins:
             self._doomed.add(row)
         else:
-            self._free.append(row)
+            self._free.put(row)
         return True
 
     def evict_lru(self, may_evict_protected: bool = True) -> bytes | None:

@@ -47,3 +47,20 @@ class CacheStats:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "reuse_rate": self.reuse_rate}
+
+    def count_admission(self, seq, sign: int) -> None:
+        """Counts an admission (a cache.records.SequenceRecord), or takes it back (sign -1: freed before it ran)."""
+        self.admissions += sign
+        self.prompt_tokens += sign * seq.prompt_len
+        self.reused_tokens += sign * seq.num_cached_tokens
+        self.kv_matched_tokens += sign * seq.kv_matched_tokens
+        self.lost_to_missing_state_tokens += sign * (seq.kv_matched_tokens - seq.num_cached_tokens)
+        self.snapshots_restored += sign * (seq.restored_hash is not None)
+        self.tiers.device_hit_tokens += sign * (seq.num_cached_tokens - seq.host_tokens)
+        self.tiers.host_hit_tokens += sign * seq.host_tokens
+        self.tiers.host_hits += sign * bool(seq.host_tokens or seq.snapshot_from_host)
+
+    def track_peaks(self, blocks_in_use: int, slots_in_use: int, snapshot_rows_in_use: int) -> None:
+        self.peak_blocks_in_use = max(self.peak_blocks_in_use, blocks_in_use)
+        self.peak_slots_in_use = max(self.peak_slots_in_use, slots_in_use)
+        self.peak_snapshot_rows_in_use = max(self.peak_snapshot_rows_in_use, snapshot_rows_in_use)

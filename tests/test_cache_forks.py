@@ -1,4 +1,4 @@
-"""Forks in the cache manager (cache/forks.py) and their device copy (cache/fork_copies.py): reserves taken at
+"""Forks in the cache manager (cache/forks.py) and their device copy (cache/device_buffers.py): reserves taken at
 admission, the prompt's full blocks shared by reference, the partial block and the state row copied, everything
 back where it was after every sequence is freed; the copy against numpy."""
 from __future__ import annotations
@@ -7,8 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cache import CacheConfig, CacheManager
-from cache.device_buffers import CacheBuffers
-from cache.fork_copies import apply_fork_copies, warm_up_fork_copies
+from cache.device_buffers import CacheBuffers, apply_fork_copies, warm_up_fork_copies
 from qnext.engine.stats import compilations
 
 BS = 4

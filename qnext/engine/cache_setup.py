@@ -1,6 +1,7 @@
 """The cache an engine starts with: its byte budget, the split of that budget into KV blocks, live state rows and
 snapshot rows (cache/sizing.py's rule), the device buffers of those sizes (made in their shards under tensor
-parallelism), and the cache manager that owns them.
+parallelism) and the host tier's arrays. The scheduler builds the cache manager that owns them from a `CacheSetup`
+(it is the manager's only owner and caller).
 
 The budget, in vLLM's terms:
 - `kv_cache_memory_bytes` when given (the way to size the cache on CPU);
@@ -18,15 +19,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from pathlib import Path
 
 import jax
 
-from cache import CacheConfig, CacheManager
-from cache.device_buffers import CacheLayout, allocate_cache_buffers, num_state_rows
+from cache import CacheConfig
+from cache.device_buffers import CacheBuffers, CacheLayout, HostTierBuffers, allocate_cache_buffers
+from cache.device_buffers import allocate_host_buffers, num_state_rows
 from cache.fingerprint import arrays_digest, cache_fingerprint
-from cache.device_buffers import HostTierBuffers, allocate_host_buffers
-from cache.persisted_cache import load_prefix_cache
 from cache.sizing import GIB, CacheSizes, plan_cache
 from qnext.config import ModelConfig
 from qnext.engine.config import EngineConfig
@@ -38,6 +37,16 @@ from qnext.model.host_devices import engine_devices
 logger = logging.getLogger("qnext.engine")
 
 SNAPSHOTS_PER_SEQ = 4      # default snapshot rows per running sequence where no byte budget is given
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSetup:
+    """What the scheduler builds its CacheManager from: the manager's config, the device buffers the manager takes
+    ownership of, and the persisted cache to load into the host tier at start (prefix_cache_dir None: none)."""
+    config: CacheConfig
+    buffers: CacheBuffers
+    prefix_cache_dir: str | None = None
+    fingerprint: dict | None = None
 
 
 def device_memory_stats() -> dict | None:
@@ -113,25 +122,24 @@ def host_tier_sizes(cfg: ModelConfig, c: EngineConfig, sizes: CacheSizes) -> tup
 
 
 def make_cache(cfg: ModelConfig, c: EngineConfig, sizes: CacheSizes, mesh=None,
-               fingerprint: dict | None = None) -> tuple[CacheManager, HostTierBuffers | None]:
-    """The cache manager, owning device buffers of `sizes` (sharded over `mesh` under tensor parallelism), and the
-    host tier's arrays (None without a host tier). With `prefix_cache_dir` (and its `fingerprint`) a cache file
-    written for the same fingerprint is loaded into the host tier."""
+               fingerprint: dict | None = None) -> tuple[CacheSetup, HostTierBuffers | None]:
+    """The cache manager's setup, with device buffers of `sizes` (sharded over `mesh` under tensor parallelism),
+    and the host tier's arrays (None without a host tier). With `prefix_cache_dir` (and its `fingerprint`) the
+    setup names the cache file to load into the host tier."""
     host_blocks, host_snapshots = host_tier_sizes(cfg, c, sizes)
     cfg = sharded_model_config(cfg, c.tensor_parallel_size)      # the buffers hold the replicated heads too
-    cache = CacheManager(CacheConfig(block_size=c.block_size, num_blocks=sizes.num_blocks + 1,
-                                     num_live_slots=sizes.num_live_rows, num_snapshot_slots=sizes.num_snapshot_rows,
-                                     enable_prefix_caching=c.enable_prefix_caching,
-                                     hybrid=bool(cfg.linear_layer_ids), num_host_blocks=host_blocks,
-                                     num_host_snapshot_slots=host_snapshots))
+    config = CacheConfig(block_size=c.block_size, num_blocks=sizes.num_blocks + 1, num_live_slots=sizes.num_live_rows,
+                         num_snapshot_slots=sizes.num_snapshot_rows, enable_prefix_caching=c.enable_prefix_caching,
+                         hybrid=bool(cfg.linear_layer_ids), num_host_blocks=host_blocks,
+                         num_host_snapshot_slots=host_snapshots)
     layout: CacheLayout = cache_layout(cfg, as_dtype(c.dtype), c.num_mtp_kv_layers)
     allocate = functools.partial(allocate_cache_buffers, layout, num_blocks=sizes.num_blocks + 1,
                                  block_size=c.block_size,
                                  num_state_rows=num_state_rows(sizes.num_live_rows, sizes.num_snapshot_rows))
     # committed to the device, as the params and every step's outputs are (uncommitted, the first shape that runs
     # compiles again on its second call)
-    cache.attach_buffers(sharded_buffers(allocate, mesh, cfg) if mesh is not None
-                         else jax.device_put(allocate(), engine_devices()[0]))
+    buffers = (sharded_buffers(allocate, mesh, cfg) if mesh is not None
+               else jax.device_put(allocate(), engine_devices()[0]))
     capped = sizes.max_num_snapshots is not None and sizes.num_snapshot_rows < sizes.max_num_snapshots
     (logger.warning if capped else logger.info)(sizes.describe())
     host = None
@@ -141,11 +149,8 @@ def make_cache(cfg: ModelConfig, c: EngineConfig, sizes: CacheSizes, mesh=None,
         logger.info("host tier: %d KV blocks and %d snapshot rows (%.2f GiB of host RAM)", host_blocks,
                     host_snapshots, host.nbytes / GIB)
     if c.prefix_cache_dir is not None and host is not None and fingerprint is not None:
-        blocks, snapshots = load_prefix_cache(c.prefix_cache_dir, cache, host, fingerprint)
-        if blocks:
-            logger.info("prefix cache: %d KV blocks and %d snapshots loaded from %s into the host tier", blocks,
-                        snapshots, Path(c.prefix_cache_dir))
-    return cache, host
+        return CacheSetup(config, buffers, c.prefix_cache_dir, fingerprint), host
+    return CacheSetup(config, buffers), host
 
 
 def prefix_cache_fingerprint(cfg: ModelConfig, c: EngineConfig, weights_digest: str) -> dict:

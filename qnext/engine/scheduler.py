@@ -1,5 +1,5 @@
-"""Continuous batching and the host side of a step: the scheduler owns the cache manager, plans each step
-completely (StepPlan) and post-processes its result.
+"""Continuous batching and the host side of a step: the scheduler builds and owns the cache manager (from
+engine/cache_setup.py's CacheSetup), plans each step completely (StepPlan) and post-processes its result.
 
 Running sequences go first (decode tokens and continuing prefill chunks, oldest first), then waiting ones are
 admitted while the token budget, `max_num_seqs`, a compiled step shape and the cache allow. A running sequence
@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cache import CacheManager
-from cache.device_buffers import CacheBuffers
-from cache.device_buffers import HostTierBuffers
-from cache.fork_copies import apply_fork_copies
+from cache.device_buffers import CacheBuffers, HostTierBuffers, apply_fork_copies
+from cache.persisted_cache import load_prefix_cache
 from qnext.engine.config import EngineConfig
 from qnext.engine.plan import MultiStepPlan, ScheduledSequence, StepPlan, StepResult
 from qnext.engine.postprocess import Stop, append_sampled, append_window, device_stop_ids, mark_finished
@@ -28,6 +30,11 @@ from qnext.engine.sampling_inputs import stateless
 from qnext.engine.sequence import Sequence, SequenceStatus
 from qnext.model.buckets import BucketTable
 from qnext.model.step_inputs import Segment
+
+if TYPE_CHECKING:
+    from qnext.engine.cache_setup import CacheSetup
+
+logger = logging.getLogger("qnext.engine")
 
 
 @dataclasses.dataclass
@@ -43,12 +50,15 @@ class _Work:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, cache: CacheManager, buckets: BucketTable, *,
+    def __init__(self, config: EngineConfig, cache: CacheSetup, buckets: BucketTable, *,
                  eos_token_ids: Seq[int], vocab_size: int, max_model_len: int,
                  host_buffers: HostTierBuffers | None = None):
         self.config = config
-        self.cache = cache
+        self.cache = CacheManager(cache.config)     # its only owner and caller; it owns the device buffers
+        self.cache.attach_buffers(cache.buffers)
         self.host_buffers = host_buffers      # the host tier's arrays (None: no host tier)
+        if cache.prefix_cache_dir is not None:
+            self._load_prefix_cache(cache.prefix_cache_dir, cache.fingerprint)
         self.buckets = buckets
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = vocab_size
@@ -290,6 +300,13 @@ class Scheduler:
     def clear_prefix_cache(self) -> None:
         """Drops every cached KV block and, with them, every snapshot, in every tier (nothing may be running)."""
         self.cache.clear_prefix_cache()
+
+    def _load_prefix_cache(self, directory: str, fingerprint: dict) -> None:
+        """Loads a cache file written for the same fingerprint into the host tier (docs/cache.md, Persistence)."""
+        blocks, snapshots = load_prefix_cache(directory, self.cache, self.host_buffers, fingerprint)
+        if blocks:
+            logger.info("prefix cache: %d KV blocks and %d snapshots loaded from %s into the host tier", blocks,
+                        snapshots, Path(directory))
 
     def lend_buffers(self) -> CacheBuffers:
         """The cache's buffers for a step, after the copies between tiers decided so far have run on them."""
