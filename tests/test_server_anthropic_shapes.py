@@ -156,3 +156,11 @@ def test_claude_code_first_request_translates():
     assert "Say hello" in chat["messages"][1]["content"]
     assert len(chat["tools"]) == len(fixture["body"]["tools"])
     assert chat["chat_template_kwargs"] == {"enable_thinking": True}   # thinking: adaptive
+
+
+def test_a_cut_output_stops_with_max_tokens_even_after_a_call():
+    builder = AnthropicMessageBuilder("m")
+    events = _parse_sse("".join(_run(builder, EVENTS, Finish("length", None, 17))))
+    assert events[-2]["delta"]["stop_reason"] == "max_tokens"
+    assert builder.message()["stop_reason"] == "max_tokens"
+    assert builder.message()["content"][-1]["input"] == {"city": "Oslo"}

@@ -145,3 +145,11 @@ def test_store_keeps_the_conversation_and_forgets_the_oldest():
     store.put("r2", asked, [])
     store.put("r3", asked, [])
     assert store.get("r1") is None and store.get("r3") is not None
+
+
+def test_a_cut_output_is_incomplete_even_after_a_call():
+    builder = ResponseBuilder("m", {}, set())
+    events = _run(builder, [ToolCallStart(0, "c1", "shell"), ToolCallArgsDelta(0, "{}"), ToolCallEnd(0, "{}")],
+                  Finish("length", None, 9))
+    assert events[-1]["type"] == "response.incomplete"
+    assert [i["status"] for i in events[-1]["response"]["output"]] == ["completed"]

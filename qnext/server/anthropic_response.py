@@ -115,10 +115,10 @@ class AnthropicMessageBuilder(OutputSink):
     # ---- the whole message -------------------------------------------------------------------------------------
     def stop_reason(self) -> tuple[str, str | None]:
         f = self.finish
+        if f is not None and f.finish_reason == "length":      # even after whole calls: the output was cut
+            return "max_tokens", None
         if self._tool_blocks:
             return "tool_use", None
-        if f is not None and f.finish_reason == "length":
-            return "max_tokens", None
         if f is not None and isinstance(f.stop_reason, str) and f.stop_reason in self.stop_sequences:
             return "stop_sequence", f.stop_reason
         return "end_turn", None
@@ -126,12 +126,7 @@ class AnthropicMessageBuilder(OutputSink):
     def message(self) -> dict:
         body = self._skeleton()
         reason, sequence = self.stop_reason()
-        content = []
-        for block in self.blocks:
-            if block["type"] == "tool_use" and isinstance(block["input"], str):    # never ended: parse what came
-                block = dict(block, input=_arguments_object(block["input"]))
-            content.append(block)
-        body.update(content=content, stop_reason=reason, stop_sequence=sequence,
+        body.update(content=list(self.blocks), stop_reason=reason, stop_sequence=sequence,
                     usage=usage(self.finish, *self._prompt))
         return body
 

@@ -64,8 +64,9 @@ class ChatRequest:
     include_reasoning: bool
 
     def new_output_parser(self) -> OutputParser:
+        """Calls come out whole: a call is sent once it has ended, and one cut off by max_tokens never is."""
         return OutputParser(reasoning=self.reasoning, tool_parser=self.tool_parser, tools=self.tools,
-                            include_reasoning=self.include_reasoning)
+                            include_reasoning=self.include_reasoning, whole_calls=True)
 
 
 class ChatTranslator:

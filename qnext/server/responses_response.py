@@ -155,7 +155,7 @@ class ResponseBuilder(OutputSink):
 
     # ---- the whole response ------------------------------------------------------------------------------------
     def response(self, status: str | None = None) -> dict:
-        incomplete = self.finish is not None and self.finish.finish_reason == "length" and not self._calls
+        incomplete = self.finish is not None and self.finish.finish_reason == "length"
         status = status or ("incomplete" if incomplete else "completed")
         reasoning = "".join(i["content"][0]["text"] for i in self.items if i["type"] == "reasoning")
         body = {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,

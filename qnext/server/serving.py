@@ -70,7 +70,7 @@ class OpenAIServing:
         inputs = req.chat_inputs()
         self.prompt_bound.check_messages(inputs.messages)
         chat = await asyncio.to_thread(self.translator.translate, inputs, req.sampling_params())
-        stream = await self._admit(R.new_id("chatcmpl"), chat.prompt, chat.prompt_token_ids, chat.params)
+        stream = await self._admit(R.new_id("chatcmpl"), chat.prompt, chat.prompt_token_ids, chat.params, clamp=True)
         env = R.Envelope("chatcmpl", self.model_name)
         parsers = ChoiceParsers(chat.new_output_parser)
         k = chat.params.logprobs
@@ -98,20 +98,27 @@ class OpenAIServing:
         self.prompt_bound.check(text)
         return self.tokenizer.encode(text)
 
-    def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> None:
+    def _check_lengths(self, token_ids: list[int], params: SamplingParams, clamp: bool = False) -> None:
+        """clamp: max_tokens is an upper bound, cut to the room the prompt leaves in max_model_len (chat-style
+        APIs); else prompt + max_tokens past max_model_len is a 400 (/v1/completions)."""
         n, limit = len(token_ids), self.max_model_len
+        if clamp and n >= limit:
+            raise bad_request(f"the prompt has {n} tokens, which leaves no room for output in max_model_len "
+                              f"{limit}; shorten the conversation", "messages")
         try:
             validate_prompt(token_ids, params, self.vocab_size, limit)
         except ValueError as e:
             raise bad_request(str(e), "prompt") from None
+        if clamp and (params.max_tokens is None or params.max_tokens > limit - n):
+            params.max_tokens = limit - n
         if params.max_tokens is not None and n + params.max_tokens > limit:
             raise bad_request(f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: "
                               f"{n + params.max_tokens} tokens, more than max_model_len {limit}; ask for at most "
                               f"{limit - n} tokens", "max_tokens")
 
     async def _admit(self, request_id: str, text: str | None, token_ids: list[int],
-                     params: SamplingParams) -> RequestStream:
-        self._check_lengths(token_ids, params)
+                     params: SamplingParams, clamp: bool = False) -> RequestStream:
+        self._check_lengths(token_ids, params, clamp)
         prompt = {"prompt": text, "prompt_token_ids": token_ids}
         try:
             return await self.async_engine.add(request_id, prompt, params)
