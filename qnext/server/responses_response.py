@@ -14,7 +14,7 @@ import json
 import time
 import uuid
 
-from qnext.server.agent_stream import Finish, OutputSink
+from qnext.server.event_sink import EventSink, Finish
 from qnext.server.responses_request import FREEFORM_PARAMETER
 
 
@@ -29,7 +29,7 @@ def usage(finish: Finish | None, num_prompt_tokens: int, num_cached_tokens: int,
             "total_tokens": num_prompt_tokens + output}
 
 
-class ResponseBuilder(OutputSink):
+class ResponseBuilder(EventSink):
     """`echo`: the request fields a response object repeats (instructions, tools, tool_choice, ...).
     `count_tokens(text)` counts the reasoning text's tokens for output_tokens_details."""
 
@@ -85,7 +85,7 @@ class ResponseBuilder(OutputSink):
     def _public(item: dict) -> dict:
         return {k: v for k, v in item.items() if not k.startswith("_")}
 
-    # ---- OutputSink --------------------------------------------------------------------------------------------
+    # ---- EventSink --------------------------------------------------------------------------------------------
     def start(self, num_prompt_tokens: int, num_cached_tokens: int) -> list[str]:
         self._prompt = (num_prompt_tokens, num_cached_tokens)
         snapshot = self.response("in_progress")
@@ -154,6 +154,9 @@ class ResponseBuilder(OutputSink):
         return [self._event("response.failed", response=body)]
 
     # ---- the whole response ------------------------------------------------------------------------------------
+    def body(self) -> dict:
+        return self.response()
+
     def response(self, status: str | None = None) -> dict:
         incomplete = self.finish is not None and self.finish.finish_reason == "length"
         status = status or ("incomplete" if incomplete else "completed")
