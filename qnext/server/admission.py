@@ -3,11 +3,11 @@ checkpoint's template, or a text), the room the prompt leaves in max_model_len, 
 
     admission.check_model(req.model)                               # 404 naming the served names
     chat = await admission.chat(inputs, params)                     # ChatInputs + SamplingParams -> ChatRequest
-    stream = await admission.admit("chatcmpl", chat.prompt, chat.prompt_token_ids, chat.params, clamp=True)
+    stream = await admission.admit_chat("chatcmpl", chat)
 
-clamp: max_tokens is an upper bound, cut to the room the prompt leaves (chat completions, Anthropic Messages,
-Responses: agents send one large cap whatever the context); without it prompt + max_tokens past max_model_len is a
-400 (/v1/completions). Either way a prompt that leaves no room at all is a 400 naming both numbers."""
+clamp (admit_chat: chat completions, Anthropic Messages, Responses): max_tokens is an upper bound, cut to the room
+the prompt leaves (agents send one large cap whatever the context); without it (/v1/completions) prompt +
+max_tokens past max_model_len is a 400. Either way a prompt that leaves no room at all is a 400 naming both numbers."""
 from __future__ import annotations
 
 import asyncio
@@ -80,6 +80,10 @@ class Admission:
             raise bad_request(f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: "
                               f"{n + params.max_tokens} tokens, more than max_model_len {limit}; ask for at most "
                               f"{limit - n} tokens", "max_tokens")
+
+    async def admit_chat(self, id_prefix: str, chat: ChatRequest) -> RequestStream:
+        """A chat of any API: max_tokens is an upper bound (clamped)."""
+        return await self.admit(id_prefix, chat.prompt, chat.prompt_token_ids, chat.params, clamp=True)
 
     async def admit(self, id_prefix: str, text: str | None, token_ids: list[int], params: SamplingParams, *,
                     clamp: bool) -> RequestStream:

@@ -53,7 +53,7 @@ class AgentServing:
         model = self._model(body)
         inputs, params = anthropic_request.translate(body)
         chat = await self.admission.chat(inputs, params)
-        stream = await self.admission.admit("msg", chat.prompt, chat.prompt_token_ids, chat.params, clamp=True)
+        stream = await self.admission.admit_chat("msg", chat)
         sink = AnthropicMessageBuilder(model, params.stop)
         return await respond(stream, ChoiceParsers(chat.new_output_parser), sink, request,
                              streaming=bool(body.get("stream")))
@@ -84,7 +84,7 @@ class AgentServing:
                     parallel_tool_calls=body.get("parallel_tool_calls", True), store=body.get("store", True))
         tokenizer = self.admission.tokenizer
         sink = ResponseBuilder(model, echo, freeform, lambda text: len(tokenizer.encode(text, False)))
-        stream = await self.admission.admit("resp", chat.prompt, chat.prompt_token_ids, chat.params, clamp=True)
+        stream = await self.admission.admit_chat("resp", chat)
 
         def on_done():
             if body.get("store", True) is not False:

@@ -111,7 +111,7 @@ class ResponseBuilder(EventSink):
     def tool_start(self, index: int, call_id: str, name: str) -> list[str]:
         if name in self.freeform:
             item = {"type": "custom_tool_call", "id": new_id("ctc"), "call_id": call_id, "name": name,
-                    "input": "", "status": "in_progress", "_arguments": ""}
+                    "input": "", "status": "in_progress"}
         else:
             item = {"type": "function_call", "id": new_id("fc"), "call_id": call_id, "name": name,
                     "arguments": "", "status": "in_progress"}
@@ -121,8 +121,7 @@ class ResponseBuilder(EventSink):
 
     def tool_args(self, index: int, fragment: str) -> list[str]:
         item = self.items[self._calls[index]]
-        if item["type"] == "custom_tool_call":      # the free text is known only once the JSON is whole
-            item["_arguments"] += fragment
+        if item["type"] == "custom_tool_call":      # the free text is known only once the JSON is whole (tool_end)
             return []
         item["arguments"] += fragment
         return [self._event("response.function_call_arguments.delta", **self._item_ref(self._calls[index]),

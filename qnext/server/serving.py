@@ -37,7 +37,7 @@ class OpenAIServing:
         req = await parse(request, ChatCompletionRequest)
         self.admission.check_model(req.model)
         chat = await self.admission.chat(req.chat_inputs(), req.sampling_params())
-        stream = await self.admission.admit("chatcmpl", chat.prompt, chat.prompt_token_ids, chat.params, clamp=True)
+        stream = await self.admission.admit_chat("chatcmpl", chat)
         parsers = ChoiceParsers(chat.new_output_parser)
         sink = ChatSink(R.Envelope("chatcmpl", self.admission.model_name), req.stream, chat.params.logprobs,
                         req.include_usage, req.return_token_ids, parsers, req.n, chat.prompt_token_ids)
