@@ -7,7 +7,7 @@ import json
 import pytest
 
 from qnext.agents import OutputParser, ParsedOutput, ToolCall
-from qnext.agents.events import ToolCallArgsDelta, ToolCallEnd, ToolCallStart, assemble
+from qnext.agents.events import ContentDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart, assemble
 from qnext.agents.tool_parsers import default_tool_parser
 from qnext.agents.reasoning import default_reasoning_parser, prompt_ends_in_reasoning
 
@@ -156,3 +156,38 @@ def test_defaults_from_the_template():
     assert prompt_ends_in_reasoning("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n")
     assert not prompt_ends_in_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not prompt_ends_in_reasoning("<think>x</think><|im_start|>assistant\n")
+
+
+CUT_CASES = [  # (format, output text cut by max_tokens, the calls that ended)
+    ("qwen3_coder", xml_call("search", query="a") + "\n" + xml_call("get_weather", city="Oslo", days="2")[:-40],
+     calls(("search", '{"query": "a"}'))),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n", []),
+    ("qwen3_coder", "<tool_call>\n<function=search>\n</function>\n", calls(("search", "{}"))),
+    ("hermes", json_call("search", '{"query": "a"}') + json_call("search", '{"query": "b')[:-14],
+     calls(("search", '{"query": "a"}'))),
+    ("hermes", '<tool_call>\n{"name": "search", "arguments": ', []),
+    ("hermes", '<tool_call>\n{"name": "search", "arguments": {"query": "a"}', calls(("search", '{"query": "a"}'))),
+]
+
+
+@pytest.mark.parametrize("fmt,text,ended", CUT_CASES)
+def test_whole_calls_drops_a_call_the_output_ended_inside(fmt, text, ended):
+    assert whole(text, fmt, whole_calls=True) == ParsedOutput(None, "", ended)
+    for i in range(len(text) + 1):
+        p = parser(fmt, whole_calls=True)
+        events = p.feed(text[:i]) + p.feed(text[i:]) + p.finish()
+        assert assemble(events, False) == ParsedOutput(None, "", ended), i
+        assert p.num_tool_calls == len(ended) and p.num_cut_calls == (len(ended) < text.count("<tool_call>"))
+    # without whole_calls the cut call is reported with what was read, marked as not complete
+    p = parser(fmt)
+    ends = [e for e in p.feed(text) + p.finish() if isinstance(e, ToolCallEnd)]
+    assert [e.complete for e in ends] == [True] * len(ended) + [False] * (len(ends) - len(ended))
+
+
+def test_whole_calls_holds_a_call_until_it_ends():
+    p = parser("qwen3_coder", whole_calls=True)
+    text = xml_call("get_weather", city="Oslo", days="2")
+    assert p.feed("Sure. " + text[:-12]) == [ContentDelta("Sure.")]
+    events = p.feed(text[-12:])
+    assert [type(e) for e in events] == [ToolCallStart, ToolCallArgsDelta, ToolCallEnd]
+    assert events[-1].arguments == '{"city": "Oslo", "days": 2}' and events[-1].complete

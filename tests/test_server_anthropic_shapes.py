@@ -7,8 +7,8 @@ import json
 import pytest
 
 from qnext.agents.events import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
-from qnext.server.agent_stream import Finish, dispatch
-from qnext.server.anthropic_request import chat_request
+from qnext.server.event_sink import Finish, dispatch
+from qnext.server.anthropic_request import chat_inputs, translate
 from qnext.server.anthropic_response import AnthropicMessageBuilder
 from qnext.server.errors import APIError
 
@@ -34,8 +34,8 @@ def test_history_with_thinking_tool_use_and_results():
             "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
             "thinking": {"type": "enabled", "budget_tokens": 1024},
             "stop_sequences": ["END"], "temperature": 0, "top_p": 0.9, "top_k": 20, "metadata": {"user_id": "u"}}
-    chat = chat_request(body)
-    assert chat["messages"] == [
+    inputs, params = translate(body)
+    assert inputs.messages == [
         {"role": "system", "content": "Be brief.\nUse tools."},
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": "Checking.", "reasoning_content": "I should call the tool.",
@@ -45,14 +45,14 @@ def test_history_with_thinking_tool_use_and_results():
         {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: no such city"},
         {"role": "tool", "tool_call_id": "toolu_3", "content": "[image omitted: this model reads text only]"},
         {"role": "user", "content": "And tomorrow?"}]
-    assert chat["tools"] == [{"type": "function", "function": {
+    assert inputs.tools == [{"type": "function", "function": {
         "name": "weather", "description": "Weather now",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
-    assert chat["tool_choice"] == "required" and chat["parallel_tool_calls"] is False
-    assert chat["chat_template_kwargs"] == {"enable_thinking": True}
-    assert chat["thinking_token_budget"] == 1024            # a hard cap on the reasoning, forced by the engine
-    assert "thinking_token_budget" not in chat_request({**body, "thinking": {"type": "disabled"}})
-    assert (chat["max_tokens"], chat["stop"], chat["temperature"], chat["top_p"], chat["top_k"]) == \
+    assert inputs.tool_choice == "required" and inputs.parallel_tool_calls is False
+    assert inputs.chat_template_kwargs == {"enable_thinking": True}
+    assert params.thinking_token_budget == 1024            # a hard cap on the reasoning, forced by the engine
+    assert translate({**body, "thinking": {"type": "disabled"}})[1].thinking_token_budget is None
+    assert (params.max_tokens, params.stop, params.temperature, params.top_p, params.top_k) == \
         (100, ["END"], 0.0, 0.9, 20)
 
 
@@ -62,8 +62,8 @@ def test_history_with_thinking_tool_use_and_results():
 def test_tool_choice(choice, expected):
     body = {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "tool_choice": choice,
             "tools": [{"name": "weather", "input_schema": {"type": "object"}}], "thinking": {"type": "disabled"}}
-    chat = chat_request(body)
-    assert chat["tool_choice"] == expected and chat["chat_template_kwargs"] == {"enable_thinking": False}
+    inputs, _ = translate(body)
+    assert inputs.tool_choice == expected and inputs.chat_template_kwargs == {"enable_thinking": False}
 
 
 @pytest.mark.parametrize("body, param", [
@@ -81,12 +81,12 @@ def test_tool_choice(choice, expected):
 ])
 def test_bad_requests_name_the_field(body, param):
     with pytest.raises(APIError) as e:
-        chat_request(body)
+        translate(body)
     assert e.value.status == 400 and e.value.param == param
 
 
 def test_count_only_needs_no_max_tokens():
-    assert chat_request({"messages": [{"role": "user", "content": "hi"}]}, count_only=True)["messages"] == \
+    assert chat_inputs({"messages": [{"role": "user", "content": "hi"}]}).messages == \
         [{"role": "user", "content": "hi"}]
 
 
@@ -150,9 +150,17 @@ def test_stop_reasons(finish, stops, expected):
 def test_claude_code_first_request_translates():
     from pathlib import Path
     fixture = json.loads((Path(__file__).parent / "fixtures" / "claude_code_first_request.json").read_text())
-    chat = chat_request(fixture["body"])
-    roles = [m["role"] for m in chat["messages"]]
+    inputs, _ = translate(fixture["body"])
+    roles = [m["role"] for m in inputs.messages]
     assert roles[0] == "system" and roles.count("system") == 1        # the mid-conversation one became a user turn
-    assert "Say hello" in chat["messages"][1]["content"]
-    assert len(chat["tools"]) == len(fixture["body"]["tools"])
-    assert chat["chat_template_kwargs"] == {"enable_thinking": True}   # thinking: adaptive
+    assert "Say hello" in inputs.messages[1]["content"]
+    assert len(inputs.tools) == len(fixture["body"]["tools"])
+    assert inputs.chat_template_kwargs == {"enable_thinking": True}   # thinking: adaptive
+
+
+def test_a_cut_output_stops_with_max_tokens_even_after_a_call():
+    builder = AnthropicMessageBuilder("m")
+    events = _parse_sse("".join(_run(builder, EVENTS, Finish("length", None, 17))))
+    assert events[-2]["delta"]["stop_reason"] == "max_tokens"
+    assert builder.message()["stop_reason"] == "max_tokens"
+    assert builder.message()["content"][-1]["input"] == {"city": "Oslo"}

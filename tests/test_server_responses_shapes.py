@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from qnext.agents.events import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
-from qnext.server.agent_stream import Finish, dispatch
+from qnext.server.event_sink import Finish, dispatch
 from qnext.server.errors import APIError
-from qnext.server.responses_request import chat_request
+from qnext.server.responses_request import translate
 from qnext.server.responses_response import ResponseBuilder
 from qnext.server.responses_store import ResponseStore
 
@@ -36,8 +36,8 @@ def test_items_become_chat_messages():
                       {"type": "namespace", "name": "agents", "tools": [{"type": "function", "name": "spawn"}]},
                       {"type": "web_search", "external_web_access": False}],
             "tool_choice": "auto", "max_output_tokens": 64, "temperature": 0.5, "reasoning": {"effort": "none"}}
-    chat, freeform = chat_request(body)
-    assert chat["messages"] == [
+    inputs, params, freeform = translate(body)
+    assert inputs.messages == [
         {"role": "system", "content": "Be brief.\n\nRules."},
         {"role": "user", "content": "List files."},
         {"role": "assistant", "content": "", "reasoning_content": "Use ls.", "tool_calls": [
@@ -47,21 +47,21 @@ def test_items_become_chat_messages():
         {"role": "tool", "tool_call_id": "c1", "content": "a.txt"},
         {"role": "tool", "tool_call_id": "c2", "content": "done"},
         {"role": "assistant", "content": "Done."}]
-    assert [t["function"]["name"] for t in chat["tools"]] == ["shell", "apply_patch", "spawn"]
-    assert chat["tools"][1]["function"]["parameters"]["required"] == ["input"]
-    assert "start: /.+/" in chat["tools"][1]["function"]["description"]
+    assert [t["function"]["name"] for t in inputs.tools] == ["shell", "apply_patch", "spawn"]
+    assert inputs.tools[1]["function"]["parameters"]["required"] == ["input"]
+    assert "start: /.+/" in inputs.tools[1]["function"]["description"]
     assert freeform == {"apply_patch"}
-    assert (chat["max_tokens"], chat["temperature"], chat["chat_template_kwargs"]) == \
+    assert (params.max_tokens, params.temperature, inputs.chat_template_kwargs) == \
         (64, 0.5, {"enable_thinking": False})
 
 
 def test_codex_first_request_translates():
     body = json.loads((FIXTURES / "codex_first_request.json").read_text())["body"]
-    chat, freeform = chat_request(body)
-    roles = [m["role"] for m in chat["messages"]]
+    inputs, _, freeform = translate(body)
+    roles = [m["role"] for m in inputs.messages]
     assert roles[0] == "system" and roles.count("system") == 1 and roles[-1] == "user"
-    assert chat["messages"][-1]["content"] == "Say hello"
-    assert "exec_command" in [t["function"]["name"] for t in chat["tools"]]
+    assert inputs.messages[-1]["content"] == "Say hello"
+    assert "exec_command" in [t["function"]["name"] for t in inputs.tools]
 
 
 @pytest.mark.parametrize("body, param", [
@@ -74,7 +74,7 @@ def test_codex_first_request_translates():
 ])
 def test_bad_requests_name_the_field(body, param):
     with pytest.raises(APIError) as e:
-        chat_request(body)
+        translate(body)
     assert e.value.status == 400 and e.value.param == param
 
 
@@ -140,8 +140,16 @@ def test_store_keeps_the_conversation_and_forgets_the_oldest():
     history = store.get("r1")
     assert history == asked + [{"role": "assistant", "content": "Hello!", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "shell", "arguments": "{}"}}]}]
-    chat, _ = chat_request({"input": [{"type": "function_call_output", "call_id": "c1", "output": "ok"}]}, history)
-    assert [m["role"] for m in chat["messages"]] == ["system", "user", "assistant", "tool"]
+    inputs, _, _ = translate({"input": [{"type": "function_call_output", "call_id": "c1", "output": "ok"}]}, history)
+    assert [m["role"] for m in inputs.messages] == ["system", "user", "assistant", "tool"]
     store.put("r2", asked, [])
     store.put("r3", asked, [])
     assert store.get("r1") is None and store.get("r3") is not None
+
+
+def test_a_cut_output_is_incomplete_even_after_a_call():
+    builder = ResponseBuilder("m", {}, set())
+    events = _run(builder, [ToolCallStart(0, "c1", "shell"), ToolCallArgsDelta(0, "{}"), ToolCallEnd(0, "{}")],
+                  Finish("length", None, 9))
+    assert events[-1]["type"] == "response.incomplete"
+    assert [i["status"] for i in events[-1]["response"]["output"]] == ["completed"]

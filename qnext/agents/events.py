@@ -34,6 +34,7 @@ class ToolCallArgsDelta:
 class ToolCallEnd:
     index: int
     arguments: str      # the whole arguments JSON text
+    complete: bool = True   # False: the output ended inside the call (max_tokens); arguments are what was read
 
 
 Event = ReasoningDelta | ContentDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd

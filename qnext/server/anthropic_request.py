@@ -1,4 +1,5 @@
-"""An Anthropic Messages request body -> the OpenAI-shaped chat request the chat pipeline takes.
+"""An Anthropic Messages request body -> the chat's ChatInputs (OpenAI-shaped messages and tools) and its
+SamplingParams.
 
 system (a string or text blocks) -> one system message; content blocks: `text` -> content, `thinking` ->
 `reasoning_content`, `tool_use` -> the assistant's `tool_calls`, `tool_result` -> `tool` messages (placed before the
@@ -15,8 +16,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from qnext.sampling_params import SamplingParams
+from qnext.server.chat_request import ChatInputs
 from qnext.server.errors import bad_request
-from qnext.server.sampling_extras import sampling_extras
+from qnext.server.sampling import sampling_extras, sampling_params
 
 
 def _require(cond: bool, message: str, param: str) -> None:
@@ -198,45 +201,44 @@ def _number(body: dict, name: str, kind: type | tuple[type, ...]) -> Any:
     return value
 
 
-def chat_request(body: dict, *, count_only: bool = False) -> dict:
-    """The whole translation -> an OpenAI chat-completions body (without `model` and `stream`). count_only: for
-    /v1/messages/count_tokens, which has no max_tokens."""
+def chat_inputs(body: dict) -> ChatInputs:
+    """The conversation, tools and template switches (all /v1/messages/count_tokens needs)."""
     _require(isinstance(body, dict), "the request body must be a JSON object", "body")
     messages = chat_messages(body)
     tools = chat_tools(body)
     tool_choice, parallel = chat_tool_choice(body, bool(tools))
-    out: dict[str, Any] = {"messages": messages}
-    if tools:
-        out["tools"] = tools
-    if tool_choice is not None:
-        out["tool_choice"] = tool_choice
-    if parallel is not None:
-        out["parallel_tool_calls"] = parallel
     thinking = enable_thinking(body)
-    if thinking is not None:
-        out["chat_template_kwargs"] = {"enable_thinking": thinking}
-    if count_only:
-        return out
-    budget = body["thinking"].get("budget_tokens") if thinking else None
+    return ChatInputs(messages=messages, tools=tools, tool_choice=tool_choice,
+                      parallel_tool_calls=parallel,
+                      chat_template_kwargs={"enable_thinking": thinking} if thinking is not None else None)
+
+
+def sampling(body: dict) -> SamplingParams:
+    fields: dict[str, Any] = {}
+    thinking = body.get("thinking") if enable_thinking(body) else None
+    budget = thinking.get("budget_tokens") if thinking else None
     if budget is not None:        # a hard cap: </think> is forced once it is spent (vLLM's thinking_token_budget)
         _require(isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0,
                  f"thinking.budget_tokens must be a non-negative integer, got {budget!r}", "thinking.budget_tokens")
-        out["thinking_token_budget"] = budget
+        fields["thinking_token_budget"] = budget
     max_tokens = _number(body, "max_tokens", int)
     _require(max_tokens is not None, "max_tokens is required", "max_tokens")
     _require(max_tokens >= 1, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-    out["max_tokens"] = max_tokens
     for name in ("temperature", "top_p"):
         value = _number(body, name, (int, float))
         if value is not None:
-            out[name] = float(value)
-    top_k = _number(body, "top_k", int)
-    if top_k is not None:
-        out["top_k"] = top_k
-    out.update(sampling_extras(body))
+            fields[name] = float(value)
+    fields["top_k"] = _number(body, "top_k", int) or 0
+    fields.update(sampling_extras(body))
     stop = body.get("stop_sequences")
     if stop:
         _require(isinstance(stop, list) and all(isinstance(s, str) and s for s in stop),
                  "stop_sequences must be a list of non-empty strings", "stop_sequences")
-        out["stop"] = stop
-    return out
+        fields["stop"] = stop
+    return sampling_params(max_tokens=max_tokens, **fields)
+
+
+def translate(body: dict) -> tuple[ChatInputs, SamplingParams]:
+    """The whole translation: the chat and its sampling (max_tokens as asked; admission clamps it)."""
+    inputs = chat_inputs(body)
+    return inputs, sampling(body)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import uuid
 
-from qnext.server.agent_stream import Finish, OutputSink
+from qnext.server.event_sink import EventSink, Finish
 from qnext.server.api_shapes import anthropic_error_body
 
 # qnext keeps no signature secret: thinking blocks carry this marker so that clients which require a signature
@@ -32,7 +32,7 @@ def usage(finish: Finish | None, num_prompt_tokens: int, num_cached_tokens: int)
             if finish else 0, "cache_read_input_tokens": num_cached_tokens, "cache_creation_input_tokens": 0}
 
 
-class AnthropicMessageBuilder(OutputSink):
+class AnthropicMessageBuilder(EventSink):
     def __init__(self, model: str, stop_sequences: list[str] | None = None):
         self.id, self.model = new_message_id(), model
         self.stop_sequences = stop_sequences or []
@@ -67,7 +67,7 @@ class AnthropicMessageBuilder(OutputSink):
             start["input"] = {}
         return events + [sse_event("content_block_start", {"index": len(self.blocks) - 1, "content_block": start})]
 
-    # ---- OutputSink --------------------------------------------------------------------------------------------
+    # ---- EventSink --------------------------------------------------------------------------------------------
     def start(self, num_prompt_tokens: int, num_cached_tokens: int) -> list[str]:
         self._prompt = (num_prompt_tokens, num_cached_tokens)
         return [sse_event("message_start", {"message": self._skeleton()})]
@@ -115,23 +115,21 @@ class AnthropicMessageBuilder(OutputSink):
     # ---- the whole message -------------------------------------------------------------------------------------
     def stop_reason(self) -> tuple[str, str | None]:
         f = self.finish
+        if f is not None and f.finish_reason == "length":      # even after whole calls: the output was cut
+            return "max_tokens", None
         if self._tool_blocks:
             return "tool_use", None
-        if f is not None and f.finish_reason == "length":
-            return "max_tokens", None
         if f is not None and isinstance(f.stop_reason, str) and f.stop_reason in self.stop_sequences:
             return "stop_sequence", f.stop_reason
         return "end_turn", None
 
+    def body(self) -> dict:
+        return self.message()
+
     def message(self) -> dict:
         body = self._skeleton()
         reason, sequence = self.stop_reason()
-        content = []
-        for block in self.blocks:
-            if block["type"] == "tool_use" and isinstance(block["input"], str):    # never ended: parse what came
-                block = dict(block, input=_arguments_object(block["input"]))
-            content.append(block)
-        body.update(content=content, stop_reason=reason, stop_sequence=sequence,
+        body.update(content=list(self.blocks), stop_reason=reason, stop_sequence=sequence,
                     usage=usage(self.finish, *self._prompt))
         return body
 

@@ -9,6 +9,7 @@ from typing import Sequence
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from qnext.server.admission import Admission
 from qnext.server.agent_serving import AgentServing
 from qnext.server.auth import APIKeyMiddleware
 from qnext.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
@@ -39,8 +40,9 @@ def build_app(engine, *, model_name: str, aliases: Sequence[str] = (), max_waiti
     if async_engine is None:
         async_engine, metrics = build_async_engine(engine, max_waiting_requests=max_waiting_requests,
                                                    model_name=model_name)
-    serving = OpenAIServing(async_engine, model_name, aliases=aliases, tool_call_parser=tool_call_parser,
-                            reasoning_parser=reasoning_parser)
+    admission = Admission(async_engine, model_name, aliases=aliases, tool_call_parser=tool_call_parser,
+                          reasoning_parser=reasoning_parser)
+    serving, agents = OpenAIServing(admission), AgentServing(admission)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -66,8 +68,6 @@ def build_app(engine, *, model_name: str, aliases: Sequence[str] = (), max_waiti
     async def chat_completions(request: Request):
         return await serving.chat_completions(request)
 
-    agents = AgentServing(serving)
-
     @app.post("/v1/messages")
     async def messages(request: Request):
         return await agents.messages(request)
@@ -83,7 +83,7 @@ def build_app(engine, *, model_name: str, aliases: Sequence[str] = (), max_waiti
     @app.get("/v1/models")
     async def models():
         cards = [{"id": name, "object": "model", "created": created, "owned_by": "qnext",
-                  "max_model_len": serving.max_model_len} for name in serving.model_names]
+                  "max_model_len": admission.max_model_len} for name in admission.model_names]
         return {"object": "list", "data": cards}
 
     @app.get("/health")

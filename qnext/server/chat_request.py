@@ -1,14 +1,11 @@
 """The one translation of a chat-style request into what the engine and the output parser need.
 
-Every chat API of the server (OpenAI chat completions here; Anthropic Messages and Responses translate their bodies
-into the same OpenAI-shaped messages and tools first) goes through `ChatTranslator.translate`:
+Every chat API of the server (OpenAI chat completions; Anthropic Messages and Responses translate their bodies
+into the same ChatInputs first) goes through `ChatTranslator.translate` (admission.py calls it):
 
     inputs = ChatInputs(messages=[...], tools=[...], tool_choice="required", ...)      # OpenAI shapes
     chat = translator.translate(inputs, sampling_params)      # APIError (400) naming what is wrong
-    stream = await admit(chat.prompt, chat.prompt_token_ids, chat.params)
-    parser = chat.new_output_parser()
-    async for delta, events in parsed_deltas(stream, parser): ...   # ReasoningDelta, ContentDelta, ToolCall*
-    finish_reason(final_output, parser)                             # "tool_calls" when calls were made
+    parser = chat.new_output_parser()                         # ReasoningDelta, ContentDelta, ToolCall* events
 
 What it decides: the prompt (the checkpoint's chat template with the tools, the assistant calls and tool results,
 chat_template_kwargs such as enable_thinking); whether the output starts inside `<think>`; the constraint
@@ -20,19 +17,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 import jinja2
 
 from qnext.agents import OutputParser, default_reasoning_parser, default_tool_parser, prompt_ends_in_reasoning
-from qnext.agents.events import Event
 from qnext.agents.reasoning import REASONING_PARSERS, THINK_END
 from qnext.agents.tool_grammar import ToolGrammarError, tool_call_grammar
 from qnext.agents.tool_parsers import TOOL_PARSERS
-from qnext.outputs import RequestOutput
 from qnext.sampling_params import SamplingParams, StructuredOutputsParams
 from qnext.server.errors import bad_request
-from qnext.server.request_stream import RequestStream, StreamDelta
 
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -64,8 +58,9 @@ class ChatRequest:
     include_reasoning: bool
 
     def new_output_parser(self) -> OutputParser:
+        """Calls come out whole: a call is sent once it has ended, and one cut off by max_tokens never is."""
         return OutputParser(reasoning=self.reasoning, tool_parser=self.tool_parser, tools=self.tools,
-                            include_reasoning=self.include_reasoning)
+                            include_reasoning=self.include_reasoning, whole_calls=True)
 
 
 class ChatTranslator:
@@ -278,35 +273,3 @@ def message_text(content: Any, index: int) -> str:
         return "\n".join(texts)
     raise bad_request(f"messages[{index}].content must be a string or a list of text parts, "
                       f"got {type(content).__name__}", f"messages.{index}.content")
-
-
-# ---- the output side --------------------------------------------------------------------------------------------------
-class ChoiceParsers:
-    """One OutputParser per choice index (n > 1: each sample is parsed on its own), made on first use."""
-
-    def __init__(self, new_parser: Callable[[], OutputParser]):
-        self._new_parser = new_parser
-        self._parsers: dict[int, OutputParser] = {}
-
-    def __getitem__(self, index: int) -> OutputParser:
-        if index not in self._parsers:
-            self._parsers[index] = self._new_parser()
-        return self._parsers[index]
-
-
-async def parsed_deltas(stream: RequestStream, parsers: ChoiceParsers | OutputParser
-                        ) -> AsyncIterator[tuple[StreamDelta, list[Event]]]:
-    """The request's deltas, each with the parser events its text settled in its choice's parser (a choice's last
-    delta also those of finish()). A single OutputParser serves a one-choice request."""
-    async for d in stream:
-        parser = parsers[d.index] if isinstance(parsers, ChoiceParsers) else parsers
-        events = parser.feed(d.text) if d.text else []
-        if d.output.outputs[d.index].finish_reason is not None:
-            events += parser.finish()
-        yield d, events
-
-
-def finish_reason(out: RequestOutput, num_tool_calls: int, index: int = 0) -> str | None:
-    """The choice's finish reason from the engine, with "stop" reported as "tool_calls" when it made calls."""
-    reason = out.outputs[index].finish_reason
-    return "tool_calls" if reason == "stop" and num_tool_calls else reason

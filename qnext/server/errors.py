@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from qnext.server.api_shapes import anthropic_error_body, is_anthropic_path
+from qnext.server.engine_loop import EngineStepError, EngineStoppedError, QueueFullError
 
 
 class APIError(Exception):
@@ -30,6 +31,23 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
+
+
+RETRY_AFTER_SECONDS = 1
+
+
+def engine_error(e: Exception) -> APIError:
+    """What the engine loop raised (on admission, or later in a running request) as the HTTP error it means."""
+    if isinstance(e, QueueFullError):
+        return APIError(503, str(e), type="server_error", code="queue_full",
+                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if isinstance(e, EngineStoppedError):
+        return APIError(503, str(e), type="server_error", code="engine_stopped")
+    if isinstance(e, EngineStepError):
+        return APIError(500, str(e), type="server_error", code="engine_step_failed")
+    if isinstance(e, ValueError):                  # anything add_request still refuses
+        return bad_request(str(e))
+    raise TypeError(f"not an engine error: {e!r}") from e
 
 
 def from_validation_error(e: ValidationError | RequestValidationError) -> APIError:

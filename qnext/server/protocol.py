@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from qnext.sampling_params import SamplingParams
 from qnext.server.chat_request import ChatInputs
 from qnext.server.errors import bad_request
+from qnext.server.sampling import sampling_params
 
 MAX_LOGPROBS = 20
 
@@ -67,30 +68,27 @@ class _SamplingRequest(BaseModel):
         max_tokens = self._max_tokens()
         if max_tokens is not None and max_tokens < 1:
             raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-        try:
-            return SamplingParams(
-                n=self.n,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=self.top_k or 0,
-                min_p=self.min_p or 0.0,
-                seed=self.seed,
-                presence_penalty=self.presence_penalty,
-                frequency_penalty=self.frequency_penalty,
-                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                stop=self.stop,
-                stop_token_ids=self.stop_token_ids,
-                max_tokens=max_tokens,
-                min_tokens=self.min_tokens,
-                ignore_eos=self.ignore_eos,
-                logprobs=self._num_logprobs(),
-                skip_special_tokens=self.skip_special_tokens,
-                include_stop_str_in_output=self.include_stop_str_in_output,
-                thinking_token_budget=self.thinking_token_budget,
-            )
-        except ValueError as e:   # SamplingParams says "<field> must be ..."
-            field = str(e).split(" ", 1)[0]
-            raise bad_request(str(e), field if field in type(self).model_fields else None) from e
+        return sampling_params(
+            type(self).model_fields,
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            logprobs=self._num_logprobs(),
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            thinking_token_budget=self.thinking_token_budget,
+        )
 
     @property
     def include_usage(self) -> bool:

@@ -1,4 +1,5 @@
-"""An OpenAI Responses request body -> the OpenAI-shaped chat request the chat pipeline takes.
+"""An OpenAI Responses request body -> the chat's ChatInputs (OpenAI-shaped messages and tools) and its
+SamplingParams.
 
 `instructions` and every system / developer message become the one system message (the Qwen templates accept a
 system message only first; Codex sends its instructions and developer notes that way). Input items: messages
@@ -13,8 +14,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from qnext.sampling_params import SamplingParams
+from qnext.server.chat_request import ChatInputs
 from qnext.server.errors import bad_request
-from qnext.server.sampling_extras import sampling_extras
+from qnext.server.sampling import sampling_extras, sampling_params
 
 FREEFORM_PARAMETER = "input"
 SKIPPED_TOOL_TYPES = ("web_search", "web_search_preview")
@@ -204,9 +207,9 @@ def response_format(body: dict) -> dict | None:
                       "text.format")
 
 
-def chat_request(body: dict, history: list[dict] | None = None) -> tuple[dict, set[str]]:
-    """-> (an OpenAI chat-completions body without `model` and `stream`, the freeform tool names). `history`: the
-    chat messages of the previous_response_id's conversation (its system message included)."""
+def translate(body: dict, history: list[dict] | None = None) -> tuple[ChatInputs, SamplingParams, set[str]]:
+    """-> (the chat, its sampling (max_tokens None: as many as fit), the freeform tool names). `history`: the chat
+    messages of the previous_response_id's conversation (its system message included)."""
     _require(isinstance(body, dict), "the request body must be a JSON object", "body")
     conversation = _Conversation()
     if body.get("instructions"):
@@ -223,34 +226,27 @@ def chat_request(body: dict, history: list[dict] | None = None) -> tuple[dict, s
     messages = conversation.chat_messages()
     _require(any(m["role"] != "system" for m in messages), "input has no user message", "input")
     tools, freeform = chat_tools(body)
-    out: dict[str, Any] = {"messages": messages}
-    if tools:
-        out["tools"] = tools
-    choice = chat_tool_choice(body.get("tool_choice"))
-    if choice is not None:
-        out["tool_choice"] = choice
-    if body.get("parallel_tool_calls") is not None:
-        _require(isinstance(body["parallel_tool_calls"], bool), "parallel_tool_calls must be a boolean",
-                 "parallel_tool_calls")
-        out["parallel_tool_calls"] = body["parallel_tool_calls"]
+    parallel = body.get("parallel_tool_calls")
+    _require(parallel is None or isinstance(parallel, bool), "parallel_tool_calls must be a boolean",
+             "parallel_tool_calls")
     thinking = enable_thinking(body)
-    if thinking is not None:
-        out["chat_template_kwargs"] = {"enable_thinking": thinking}
-    fmt = response_format(body)
-    if fmt is not None:
-        out["response_format"] = fmt
+    inputs = ChatInputs(messages=messages, tools=tools, tool_choice=chat_tool_choice(body.get("tool_choice")),
+                        parallel_tool_calls=parallel, response_format=response_format(body),
+                        chat_template_kwargs={"enable_thinking": thinking} if thinking is not None else None)
+    return inputs, sampling(body), freeform
+
+
+def sampling(body: dict) -> SamplingParams:
+    fields: dict[str, Any] = {}
     limit = body.get("max_output_tokens")
-    if limit is not None:
-        _require(isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1,
-                 f"max_output_tokens must be an integer of at least 1, got {limit!r}", "max_output_tokens")
-        out["max_tokens"] = limit
+    _require(limit is None or (isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1),
+             f"max_output_tokens must be an integer of at least 1, got {limit!r}", "max_output_tokens")
     for name in ("temperature", "top_p"):
         value = body.get(name)
         if value is not None:
             _require(isinstance(value, (int, float)) and not isinstance(value, bool), f"{name} must be a number",
                      name)
-            out[name] = float(value)
-    if body.get("top_k") is not None:
-        out["top_k"] = body["top_k"]
-    out.update(sampling_extras(body))
-    return out, freeform
+            fields[name] = float(value)
+    fields["top_k"] = body.get("top_k") or 0
+    fields.update(sampling_extras(body))
+    return sampling_params(max_tokens=limit, **fields)

@@ -14,7 +14,7 @@ import json
 import time
 import uuid
 
-from qnext.server.agent_stream import Finish, OutputSink
+from qnext.server.event_sink import EventSink, Finish
 from qnext.server.responses_request import FREEFORM_PARAMETER
 
 
@@ -29,7 +29,7 @@ def usage(finish: Finish | None, num_prompt_tokens: int, num_cached_tokens: int,
             "total_tokens": num_prompt_tokens + output}
 
 
-class ResponseBuilder(OutputSink):
+class ResponseBuilder(EventSink):
     """`echo`: the request fields a response object repeats (instructions, tools, tool_choice, ...).
     `count_tokens(text)` counts the reasoning text's tokens for output_tokens_details."""
 
@@ -85,7 +85,7 @@ class ResponseBuilder(OutputSink):
     def _public(item: dict) -> dict:
         return {k: v for k, v in item.items() if not k.startswith("_")}
 
-    # ---- OutputSink --------------------------------------------------------------------------------------------
+    # ---- EventSink --------------------------------------------------------------------------------------------
     def start(self, num_prompt_tokens: int, num_cached_tokens: int) -> list[str]:
         self._prompt = (num_prompt_tokens, num_cached_tokens)
         snapshot = self.response("in_progress")
@@ -111,7 +111,7 @@ class ResponseBuilder(OutputSink):
     def tool_start(self, index: int, call_id: str, name: str) -> list[str]:
         if name in self.freeform:
             item = {"type": "custom_tool_call", "id": new_id("ctc"), "call_id": call_id, "name": name,
-                    "input": "", "status": "in_progress", "_arguments": ""}
+                    "input": "", "status": "in_progress"}
         else:
             item = {"type": "function_call", "id": new_id("fc"), "call_id": call_id, "name": name,
                     "arguments": "", "status": "in_progress"}
@@ -121,8 +121,7 @@ class ResponseBuilder(OutputSink):
 
     def tool_args(self, index: int, fragment: str) -> list[str]:
         item = self.items[self._calls[index]]
-        if item["type"] == "custom_tool_call":      # the free text is known only once the JSON is whole
-            item["_arguments"] += fragment
+        if item["type"] == "custom_tool_call":      # the free text is known only once the JSON is whole (tool_end)
             return []
         item["arguments"] += fragment
         return [self._event("response.function_call_arguments.delta", **self._item_ref(self._calls[index]),
@@ -154,8 +153,11 @@ class ResponseBuilder(OutputSink):
         return [self._event("response.failed", response=body)]
 
     # ---- the whole response ------------------------------------------------------------------------------------
+    def body(self) -> dict:
+        return self.response()
+
     def response(self, status: str | None = None) -> dict:
-        incomplete = self.finish is not None and self.finish.finish_reason == "length" and not self._calls
+        incomplete = self.finish is not None and self.finish.finish_reason == "length"
         status = status or ("incomplete" if incomplete else "completed")
         reasoning = "".join(i["content"][0]["text"] for i in self.items if i["type"] == "reasoning")
         body = {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,

@@ -7,7 +7,7 @@ taken only once the text seen so far settles it, so every way of splitting the o
 Content rules: text that starts like a call but is not one (a literal `<tool_call>` in prose, the other format)
 stays content, and the parser goes on scanning after it. Whitespace between content and a call, between calls and
 after the last call is dropped. Once a call's header is accepted the call is reported even if its body is cut off
-(max_tokens): its arguments are then the fragments read so far."""
+(max_tokens): its arguments are then the fragments read so far, and its ToolCallEnd says `complete=False`."""
 from __future__ import annotations
 
 import enum
@@ -52,6 +52,11 @@ class ToolCallParser:
         with final, everything left ends it."""
         raise NotImplementedError
 
+    def body_closed(self) -> bool:
+        """Whether the call's arguments were closed by the format's own end (asked when the output ends inside
+        the call)."""
+        raise NotImplementedError
+
     # ---- the scan ----------------------------------------------------------------------------------------------
     def feed(self, text: str) -> list[Event]:
         self._buf += text
@@ -75,7 +80,8 @@ class ToolCallParser:
                     events.append(ToolCallArgsDelta(self._index, f))
                 if not ended:
                     return events
-                events.append(ToolCallEnd(self._index, "".join(self._args)))
+                complete = not final or self.body_closed()
+                events.append(ToolCallEnd(self._index, "".join(self._args), complete))
                 self._in_call, self._after_call = False, True
                 continue
             i = self._buf.find(CALL_START)

@@ -93,6 +93,9 @@ class HermesToolParser(ToolCallParser):
             return fragments, len(text) - len(s) + 1, True
         return fragments, pos, True
 
+    def body_closed(self) -> bool:
+        return self._done
+
     def _scan(self, ch: str) -> None:
         if self._in_string:
             if self._escaped:

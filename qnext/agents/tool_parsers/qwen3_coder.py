@@ -102,6 +102,9 @@ class Qwen3CoderToolParser(ToolCallParser):
             self._begin_value()
             pos += end + 1
 
+    def body_closed(self) -> bool:
+        return self._after_function
+
     # A string value (the schema says string, or does not declare the parameter) streams as it is written: the
     # key and the opening quote first, then escaped text as it settles (a trailing newline is held back: it may be
     # the one before `</parameter>`), then the closing quote. Other values are converted once they end.

@@ -1,0 +1,96 @@
+"""The one way into the engine for every API: the served model's names, the prompt (a chat rendered by the
+checkpoint's template, or a text), the room the prompt leaves in max_model_len, and the engine loop's add.
+
+    admission.check_model(req.model)                               # 404 naming the served names
+    chat = await admission.chat(inputs, params)                     # ChatInputs + SamplingParams -> ChatRequest
+    stream = await admission.admit_chat("chatcmpl", chat)
+
+clamp (admit_chat: chat completions, Anthropic Messages, Responses): max_tokens is an upper bound, cut to the room
+the prompt leaves (agents send one large cap whatever the context); without it (/v1/completions) prompt +
+max_tokens past max_model_len is a 400. Either way a prompt that leaves no room at all is a 400 naming both numbers."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Sequence
+
+from qnext.engine.llm_engine import validate_prompt
+from qnext.sampling_params import SamplingParams
+from qnext.server.chat_request import ChatInputs, ChatRequest, ChatTranslator
+from qnext.server.engine_loop import AsyncEngine, EngineStepError, EngineStoppedError, QueueFullError
+from qnext.server.errors import APIError, bad_request, engine_error
+from qnext.server.prompt_bound import PromptBound
+from qnext.server.request_stream import RequestStream
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class Admission:
+    def __init__(self, async_engine: AsyncEngine, model_name: str, *, aliases: Sequence[str] = (),
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
+        engine = async_engine.engine
+        self.async_engine = async_engine
+        self.model_name = model_name
+        self.model_names = tuple(dict.fromkeys([model_name, *aliases]))     # what clients may send as `model`
+        self.tokenizer = engine.tokenizer       # thread-safe on its own; the engine itself is not touched here
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
+        self.prompt_bound = PromptBound(self.tokenizer, self.max_model_len)
+        self.translator = ChatTranslator(self.tokenizer, tool_call_parser=tool_call_parser,
+                                         reasoning_parser=reasoning_parser,
+                                         check_structured=getattr(engine, "validate_structured_outputs", None))
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            served = ", ".join(repr(n) for n in self.model_names)
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {served}",
+                           param="model", code="model_not_found")
+
+    async def chat(self, inputs: ChatInputs, params: SamplingParams) -> ChatRequest:
+        """The prompt, constraint and parsers of a chat (messages whose text alone cannot fit are refused before
+        the template renders them)."""
+        self.prompt_bound.check_messages(inputs.messages)
+        return await asyncio.to_thread(self.translator.translate, inputs, params)
+
+    async def encode(self, text: str) -> list[int]:
+        return await asyncio.to_thread(self._encode, text)
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise bad_request("this checkpoint has no tokenizer.json; send the prompt as a list of token ids",
+                              "prompt")
+        self.prompt_bound.check(text)
+        return self.tokenizer.encode(text)
+
+    def fit(self, token_ids: list[int], params: SamplingParams, *, clamp: bool, param: str = "messages") -> None:
+        """The room check (module docstring); with clamp, params.max_tokens is set to what fits."""
+        n, limit = len(token_ids), self.max_model_len
+        if n >= limit:
+            raise bad_request(f"the prompt has {n} tokens, which leaves no room for output in max_model_len "
+                              f"{limit}; shorten it", param)
+        try:
+            validate_prompt(token_ids, params, self.vocab_size, limit)
+        except ValueError as e:
+            raise bad_request(str(e), "prompt") from None
+        if clamp and (params.max_tokens is None or params.max_tokens > limit - n):
+            params.max_tokens = limit - n
+        if params.max_tokens is not None and n + params.max_tokens > limit:
+            raise bad_request(f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: "
+                              f"{n + params.max_tokens} tokens, more than max_model_len {limit}; ask for at most "
+                              f"{limit - n} tokens", "max_tokens")
+
+    async def admit_chat(self, id_prefix: str, chat: ChatRequest) -> RequestStream:
+        """A chat of any API: max_tokens is an upper bound (clamped)."""
+        return await self.admit(id_prefix, chat.prompt, chat.prompt_token_ids, chat.params, clamp=True)
+
+    async def admit(self, id_prefix: str, text: str | None, token_ids: list[int], params: SamplingParams, *,
+                    clamp: bool) -> RequestStream:
+        """A new request in the engine, once the engine loop has taken it."""
+        self.fit(token_ids, params, clamp=clamp, param="messages" if clamp else "prompt")
+        prompt = {"prompt": text, "prompt_token_ids": token_ids}
+        try:
+            return await self.async_engine.add(new_request_id(id_prefix), prompt, params)
+        except (QueueFullError, EngineStoppedError, EngineStepError, ValueError) as e:
+            raise engine_error(e) from e
