@@ -96,9 +96,11 @@ class CacheManager:
         return self._buffers
 
     # ---- admission ------------------------------------------------------------------------------------------------
-    def admit(self, seq_id, prompt_token_ids: Sequence[int], num_forks: int = 0) -> Admission | None:
+    def admit(self, seq_id, prompt_token_ids: Sequence[int], num_forks: int = 0,
+              turn_starts: Sequence[int] = ()) -> Admission | None:
         """None when no slot or not enough blocks: the cache is then left exactly as it was (retry later).
-        num_forks: live rows and blocks reserved for that many `fork`s after the prompt (cache/forks.py)."""
+        num_forks: live rows and blocks reserved for that many `fork`s after the prompt (cache/forks.py).
+        turn_starts: where the prompt's chat turns begin (positions of `<|im_start|>`), for the capture policy."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already admitted; free it first")
         n = len(prompt_token_ids)
@@ -143,7 +145,7 @@ class CacheManager:
             self.lifecycle.on_restore(restored_hash)
         if kv_matched > depth:
             seq.branch_position = kv_matched * bs
-        seq.capture_plan = self.lifecycle.capture_plan(hashes, n, kv_matched, depth)
+        seq.capture_plan = self.lifecycle.capture_plan(hashes, n, kv_matched, depth, turn_starts)
         self._seqs[seq_id] = seq
         self.forks.reserve(seq, [self._free_slots.pop() for _ in range(fork_rows)])
         self.stats.count_admission(seq, +1)

@@ -6,6 +6,7 @@ pool, the registry and the host tier that the manager shares with it.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 
 from cache.block_pool import BlockPool
 from cache.config import CacheConfig
@@ -65,12 +66,14 @@ class SnapshotLifecycle:
             self.tier.restore_snapshot(prefix_hash, live_row)
         return row, from_host
 
-    def capture_plan(self, hashes: list[bytes], prompt_len: int, kv_matched_blocks: int, depth: int) -> list[int]:
+    def capture_plan(self, hashes: list[bytes], prompt_len: int, kv_matched_blocks: int, depth: int,
+                     turn_starts: Sequence[int] = ()) -> list[int]:
         """Where a new prompt captures snapshots: the policy's positions past the restored depth not cached yet."""
         if not self.enabled:
             return []
         bs = self.config.block_size
-        return [p for p in self.policy.capture_positions(self.config, prompt_len, kv_matched_blocks, depth)
+        return [p for p in self.policy.capture_positions(self.config, prompt_len, kv_matched_blocks, depth,
+                                                         turn_starts)
                 if depth * bs < p <= prompt_len and not self._has_snapshot(hashes[p // bs - 1])]
 
     def committed(self, seq: SequenceRecord, limit: int) -> None:

@@ -72,6 +72,35 @@ def test_long_prompts_get_sparse_checkpoints():
     assert adm.num_cached_tokens == 32 and adm.kv_matched_tokens == 40 and 40 in m.capture_positions("c")
 
 
+def test_turn_starts_get_snapshots_so_a_replaced_final_message_reuses_the_conversation():
+    """Qwen Code's side request resends the conversation with its own final message; the next turn's request keeps
+    the conversation, adds turns and ends with that message again. Without a snapshot at the start of the final
+    message, the second request matched the KV of the whole conversation but had no state to resume from."""
+    IM = 1000
+    conversation = [IM] + list(range(1, 30)) + [IM] + list(range(30, 41))      # turns start at 0 and 30
+    final = [IM] + list(range(500, 520))                                       # starts at 41
+    first = conversation + final
+    m = make(checkpoint_interval=0)
+    m.admit("a", first, turn_starts=(30, 41))
+    assert m.capture_positions("a") == [28, 40, 60]      # 28, 40: boundaries at or before the two turn starts
+    m.free("a", first, 0)
+    m = make(checkpoint_interval=0)
+    adm = m.admit("a", first, turn_starts=(30, 41))
+    for p in m.capture_positions("a"):
+        m.reserve_capture("a", p)
+        m.commit("a", first, p)
+    m.commit("a", first, len(first))
+    m.free("a", first, len(first))
+    second = conversation + [IM, 7, 8, 9, IM, 11, 12] + final
+    adm = m.admit("b", second, turn_starts=(48, 52))
+    assert adm.kv_matched_tokens == 40 and adm.num_cached_tokens == 40
+    m.free("b", second, 40)
+    m = make(checkpoint_interval=0)                       # the same without turn starts: nothing to resume from
+    run(m, "a", first)
+    adm = m.admit("b", second)
+    assert adm.kv_matched_tokens == 40 and adm.num_cached_tokens == 0
+
+
 def test_multi_turn_continues_from_the_finished_sequence_state():
     m = make()
     _, history = run(m, "t1", list(range(10)), output=[50, 51, 52, 53, 54, 55, 56])

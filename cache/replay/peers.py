@@ -35,7 +35,7 @@ class SeedPolicy(CachePolicy):
         return int(self.prefix_cache_ratio * num_usable_blocks)
 
     def capture_positions(self, config: CacheConfig, prompt_len: int, kv_matched_blocks: int,
-                          restored_blocks: int) -> list[int]:
+                          restored_blocks: int, turn_starts=()) -> list[int]:
         bs = config.block_size
         return sorted({*range(self.chunk, prompt_len, self.chunk), prompt_len // bs * bs} - {0})
 
@@ -67,7 +67,7 @@ class SGLangPolicy(CachePolicy):
     min_extend = 64                 # extends shorter than this track no state
 
     def capture_positions(self, config: CacheConfig, prompt_len: int, kv_matched_blocks: int,
-                          restored_blocks: int) -> list[int]:
+                          restored_blocks: int, turn_starts=()) -> list[int]:
         bs = config.block_size
         if prompt_len - restored_blocks * bs < self.min_extend:
             return []
@@ -90,7 +90,7 @@ class OraclePolicy(SeedPolicy):
         return None
 
     def capture_positions(self, config: CacheConfig, prompt_len: int, kv_matched_blocks: int,
-                          restored_blocks: int) -> list[int]:
+                          restored_blocks: int, turn_starts=()) -> list[int]:
         return list(range(config.block_size, prompt_len + 1, config.block_size))
 
     def publish_limit(self, prompt_len: int, num_computed_tokens: int, tracked_position: int, freeing: bool) -> int:

@@ -240,9 +240,17 @@ class LLMEngine:
         detokenizer = IncrementalDetokenizer(self.tokenizer, params) if self.tokenizer is not None else None
         seq = Sequence(request_id if index == 0 else f"{request_id}#{index}", token_ids, params,
                        self._request_counter, prompt=text, detokenizer=detokenizer, index=index,
-                       structured=structured, thinking=self._thinking_budget(token_ids, params))
+                       structured=structured, thinking=self._thinking_budget(token_ids, params),
+                       turn_starts=self._turn_starts(token_ids))
         self._request_counter += 1
         return seq
+
+    def _turn_starts(self, token_ids: list[int]) -> tuple[int, ...]:
+        """Where the prompt's last two chat turns start (the cache captures state snapshots there)."""
+        start_id = None if self.tokenizer is None else self.tokenizer.token_to_id("<|im_start|>")
+        if start_id is None:
+            return ()
+        return tuple([i for i, t in enumerate(token_ids) if t == start_id][-2:])
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Aborts every unfinished sample of the request; None if it is unknown or finished."""

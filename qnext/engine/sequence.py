@@ -45,6 +45,7 @@ class Sequence:
     num_preemptions: int = 0
     structured: StructuredState | None = None   # the grammar's matcher when params.structured_outputs is set
     thinking: ThinkingBudget | None = None      # when params.thinking_token_budget is set
+    turn_starts: tuple[int, ...] = ()           # positions of the prompt's last chat-turn starts (`<|im_start|>`)
     # Parallel sampling (n > 1): every sample of a request is a Sequence; `group` (shared by all of them) lists
     # them by index, sample 0 first. Sample 0 is admitted and prefills the prompt; the others wait in its
     # `pending_forks` until that step, which draws their first tokens from the same logits and forks them.
