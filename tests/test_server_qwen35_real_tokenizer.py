@@ -368,3 +368,25 @@ def test_count_tokens_equals_the_prompt_the_model_reads(claude):
     reply = claude.messages.create(max_tokens=2, **kwargs)
     usage = reply.usage          # Anthropic's input_tokens leave out the tokens read from the cache
     assert counted == usage.input_tokens + usage.cache_read_input_tokens > 100
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_mode_parses_a_call_written_with_the_single_tag_tokens(oai, stream):
+    """tool_choice auto: the model's own text, then a call. A grammar stands in for a model that writes one; the
+    output must start the call with the single token `<tool_call>` and the parsers must find the call in it."""
+    grammar = ('start: "Let me check.\\n\\n" "<tool_call>\\n<function=search>\\n<parameter=query>\\n" Q '
+               '"\\n</parameter>\\n</function>\\n</tool_call>"\nQ: /[a-z]{1,6}/')
+    kwargs = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="auto", max_tokens=60, temperature=1.0,
+                  seed=3, extra_body={"structured_outputs": {"grammar": grammar}, "return_token_ids": True})
+    if stream:
+        out = assemble_stream(oai.chat.completions.create(stream=True, **kwargs))
+        content, calls, finish = out["content"], out["tool_calls"], out["finish_reason"]
+    else:
+        choice = oai.chat.completions.create(**kwargs).choices[0]
+        assert TOOL_CALL in choice.model_extra["token_ids"]
+        content, finish = choice.message.content, choice.finish_reason
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert finish == "tool_calls" and content.strip() == "Let me check."
+    assert len(calls) == 1 and calls[0][0] == "search"
+    query = json.loads(calls[0][1])["query"]
+    assert query.isalpha() and query.islower()
