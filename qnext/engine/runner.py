@@ -14,11 +14,12 @@ from qnext.config import ModelConfig
 from qnext.engine.config import EngineConfig
 from qnext.engine.multi_step import MultiStepInputs, make_multi_step
 from qnext.engine.plan import SampledToken, ScheduledSequence, StepPlan, StepResult
-from qnext.engine.sampler import first_argmax, sample
+from qnext.engine.sampler import sample
 from qnext.engine.sampling_inputs import SamplerInputBuilder, SamplingRow
 from qnext.engine.spec_step import ChainInputs, SpecInputs, make_mtp_catch_up, make_mtp_kv_catch_up, \
     make_spec_step, verify_inputs, window_length
 from qnext.engine.stats import EngineStats
+from qnext.model.argmax import first_argmax
 from qnext.model.buckets import BucketTable
 from qnext.model.forward import forward, forward_with_hidden
 from qnext.model.step_inputs import Segment, build_step_inputs

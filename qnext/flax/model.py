@@ -3,7 +3,7 @@
 The parameters are nnx.Param leaves in the engine's layout (docs/CONTRACTS.md: fused in_proj / qkv_proj / gate_up,
 [out, in] matrices, [E, in, out] expert stacks), named as the keys of `qnext.model.weights.param_specs(cfg)`, so the
 engine's params pytree is a view of the module's state (`engine_params`), and the forward is
-qnext/flax/dense_layers.py over that view: the engine's layer code, with dense cores for the sequence mixers.
+qnext/model/dense.py over that view: the engine's layer code, with dense cores for the sequence mixers.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qnext.config import ModelConfig, read_json
-from qnext.flax.dense_layers import dense_forward
+from qnext.model.dense import dense_forward
 from qnext.model.loader import load_params
 from qnext.model.weights import as_dtype
 
