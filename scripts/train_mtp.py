@@ -234,14 +234,13 @@ def main(argv=None) -> dict:
     import jax
 
     from qnext.bench.presets import bench_checkpoint
-    from qnext.config import ModelConfig
-    from qnext.model.loader import load_params
+    from qnext.model.checkpoint import load_checkpoint
     from qnext.model.mtp import init_mtp_params, save_mtp_params
 
     start = time.perf_counter()
     path = Path(args.model) if args.model else bench_checkpoint(args.preset, args.out_dir)
-    cfg = ModelConfig.from_pretrained(path)
-    params = load_params(path, cfg)
+    checkpoint = load_checkpoint(path)
+    cfg, params = checkpoint.config, checkpoint.params
     n = args.prompts
     source = prompt_source(args.prompt_source, path)
     prompts = draw_prompts(source, path, cfg, n, args.held_out, args.prompt_len, args.seed)

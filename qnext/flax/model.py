@@ -17,8 +17,7 @@ from flax import nnx
 
 from qnext.config import ModelConfig, read_json
 from qnext.model.dense import dense_forward
-from qnext.model.loader import load_params
-from qnext.model.weights import as_dtype
+from qnext.model.checkpoint import load_checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,9 +89,6 @@ def from_pretrained(path: str | Path, dtype: Any = "float32") -> HybridCausalLM:
     """Loads a Hugging Face Qwen3-Next / Qwen3.5 / Qwen3.5-MoE checkpoint directory (any layout the engine
     loads) as a HybridCausalLM with weights in `dtype` (float32 or bfloat16; A_log and dt_bias stay float32)."""
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{path} is not a checkpoint directory: config.json is missing")
-    config = ModelConfig.from_pretrained(path)
-    params = load_params(path, config, as_dtype(dtype))
+    checkpoint = load_checkpoint(path, dtype)
     source = SourceCheckpoint(json.dumps(read_json(path / "config.json"), sort_keys=True), str(path.resolve()))
-    return HybridCausalLM(config, params, source)
+    return HybridCausalLM(checkpoint.config, checkpoint.params, source)
