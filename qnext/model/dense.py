@@ -4,8 +4,8 @@ forward, MTP training's and the reference speculative loop's target).
 The per-layer math is the engine's own (qnext/model/attention.py, deltanet.py, mlp.py, norms.py): only the sequence
 mixers' cores differ. Attention is dense causal softmax attention with padded keys masked, where the engine reads
 paged KV; the DeltaNet runs the engine's conv op on a fresh zero state and the chunked delta rule of
-qnext/model/dense_delta_rule.py, where the engine runs its state-row kernels. The Pallas kernels have no VJP, so this path
-always uses the jnp forms, on GPU too.
+qnext/model/dense_delta_rule.py, where the engine runs its state-row kernels. The Pallas kernels have no VJP, so
+this path always uses the jnp forms, on GPU too.
 
 Left padding (attention_mask 0) never reaches a real token: attention masks padded keys, and a padded token is
 the DeltaNet's identity (its conv input is zeroed, beta = 0 and g = 0, so the state passes through unchanged).
