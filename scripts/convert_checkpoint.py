@@ -2,7 +2,8 @@
 
     python scripts/convert_checkpoint.py --model /path/to/Qwen3.5-35B-A3B --out ~/.cache/qnext/converted --dtype bfloat16
 
-Then `load_params(model, cfg, dtype, cache_dir=out)` (or the engine given the same cache dir) restores it.
+Then `load_checkpoint(model, dtype, cache_dir=out)` (qnext/model/checkpoint.py; `qnext.load_model` takes the same
+cache_dir) restores it.
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qnext.config import ModelConfig  # noqa: E402
 from qnext.model import converted_cache  # noqa: E402
-from qnext.model.loader import load_params  # noqa: E402
+from qnext.model.checkpoint import load_checkpoint  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,9 +31,8 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     try:
-        cfg = ModelConfig.from_pretrained(args.model)
+        cfg = load_checkpoint(args.model, args.dtype, cache_dir=args.out).config
         key = converted_cache.cache_key(args.model, args.dtype)
-        load_params(args.model, cfg, args.dtype, cache_dir=args.out)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -9,7 +9,7 @@ accepted on held-out prompts, and save it into the checkpoint (mtp.safetensors).
    the same stream. corpus (the default for a trained target, a `<preset>-lm` checkpoint of
    scripts/train_bench_target.py): windows of the project's text (qnext/bench/text_corpus.py), training prompts at
    seeded offsets of the training files, held-out prompts at fixed offsets of the held-out files.
-2. The target's final-normed hidden states h_t come from the dense forward (qnext/model/mtp.py: dense_hidden). Slot t
+2. The target's final-normed hidden states h_t come from the dense forward (qnext/model/dense.py: dense_hidden). Slot t
    of the head takes (x_{t+1}, h_t); its label is the target's own next-token distribution at t + 1, lm_head(h_{t+1})
    (on the continuation its argmax is x_{t+2}; on prompt slots it is what the model would have said there).
 3. Optionally (--chain-weight) a second pass feeds slot t's own normed hidden state with x_{t+2}, the way the second
@@ -90,7 +90,7 @@ def continuations(path, cfg, params, prompts: list[list[int]], gen_len: int, spa
     import jax.numpy as jnp
 
     from qnext import LLM, SamplingParams
-    from qnext.model.mtp import dense_hidden
+    from qnext.model.dense import dense_hidden
 
     n, prompt_len = len(prompts), len(prompts[0])
     llm = LLM(path, max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=prompt_len + gen_len + spare)
@@ -98,7 +98,7 @@ def continuations(path, cfg, params, prompts: list[list[int]], gen_len: int, spa
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
     seqs = np.array([p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)], np.int32)
     del llm
-    hidden_of = jax.jit(lambda params, ids: dense_hidden(params, ids, cfg)[0])
+    hidden_of = jax.jit(lambda params, ids: dense_hidden(params, ids, None, cfg)[0])
     chunk = 32
     padded = np.concatenate([seqs, np.repeat(seqs[:1], -n % chunk, 0)])
     hidden = np.concatenate([np.asarray(hidden_of(params, jnp.asarray(padded[i:i + chunk])))
@@ -190,11 +190,12 @@ def text_agreement(params, mtp, cfg, windows: np.ndarray, chunk: int = 16) -> tu
     import jax
     import jax.numpy as jnp
 
-    from qnext.model.mtp import dense_hidden, mtp_forward
+    from qnext.model.dense import dense_hidden
+    from qnext.model.mtp import mtp_forward
 
     @jax.jit
     def hits(params, mtp, ids):
-        h, logits = dense_hidden(params, ids, cfg)
+        h, logits = dense_hidden(params, ids, None, cfg)
         greedy = logits.argmax(-1)                                       # [B, T]: the target's token for t + 1
         draft, _ = mtp_forward(params, mtp, ids[:, 1:], h[:, :-1], cfg)  # slot t: x_{t+1}, h_t -> x_{t+2}
         return (draft.argmax(-1) == greedy[:, 1:]).sum(), (greedy[:, :-1] == ids[:, 1:]).sum()
@@ -233,14 +234,13 @@ def main(argv=None) -> dict:
     import jax
 
     from qnext.bench.presets import bench_checkpoint
-    from qnext.config import ModelConfig
-    from qnext.model.loader import load_params
+    from qnext.model.checkpoint import load_checkpoint
     from qnext.model.mtp import init_mtp_params, save_mtp_params
 
     start = time.perf_counter()
     path = Path(args.model) if args.model else bench_checkpoint(args.preset, args.out_dir)
-    cfg = ModelConfig.from_pretrained(path)
-    params = load_params(path, cfg)
+    checkpoint = load_checkpoint(path)
+    cfg, params = checkpoint.config, checkpoint.params
     n = args.prompts
     source = prompt_source(args.prompt_source, path)
     prompts = draw_prompts(source, path, cfg, n, args.held_out, args.prompt_len, args.seed)

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 import qnext  # noqa: E402
 import qnext.flax as qflax  # noqa: E402
 from pallas_kernels.gated_delta_rule import gated_delta_rule_token_scan  # noqa: E402
-from qnext.flax.delta_rule import dense_gated_delta_rule  # noqa: E402
+from qnext.model.dense_delta_rule import dense_gated_delta_rule  # noqa: E402
 from qnext.model.weights import map_specs, param_specs  # noqa: E402
 from tests.flax_fixtures import PAD, forward, hf_checkpoint, left_padded_batch  # noqa: E402
 from tests.hf_reference import FAMILIES  # noqa: E402

@@ -10,7 +10,8 @@ import numpy as np
 from qnext.config import ModelConfig
 from qnext.engine.spec_decode_reference import plain_greedy
 from qnext.model.loader import load_params
-from qnext.model.mtp import dense_hidden, init_mtp_params
+from qnext.model.dense import dense_hidden
+from qnext.model.mtp import init_mtp_params
 from tests.script_loader import load_script
 
 PROMPT_LEN, GEN_LEN, N = 4, 12, 4
@@ -24,7 +25,7 @@ def test_head_memorises_greedy_continuations_and_keeps_greedy_tokens(tiny_checkp
     T = PROMPT_LEN + GEN_LEN
     prompts = np.random.default_rng(3).integers(3, cfg.vocab_size, (N, PROMPT_LEN)).tolist()
     seqs = np.array([p + plain_greedy(params, cfg, p, GEN_LEN, T) for p in prompts], np.int32)
-    hidden = np.asarray(dense_hidden(params, seqs, cfg)[0])
+    hidden = np.asarray(dense_hidden(params, seqs, None, cfg)[0])
 
     trainer = train_mtp.Trainer(params, cfg, PROMPT_LEN, T, chain_weight=0.5)
     mtp = init_mtp_params(params, cfg, jax.random.key(0))

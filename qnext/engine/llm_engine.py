@@ -32,16 +32,17 @@ from qnext.engine.scheduler import Scheduler
 from qnext.engine.sequence import Sequence
 from qnext.engine.stats import EngineStats
 from qnext.model.buckets import BucketTable
-from qnext.model.loader import checkpoint_files, convert_checkpoint, load_params
-from qnext.model.tensor_parallel import make_mesh, parallel_config, shard_params
-from qnext.model.weights import as_dtype
+from qnext.model.checkpoint import load_checkpoint
+from qnext.model.loader import checkpoint_files
+from qnext.model.mtp import MTP_FILE
+from qnext.model.placement import WeightUpdate, place_mtp_params, place_params
+from qnext.model.tensor_parallel import make_mesh, parallel_config
 from qnext.outputs import RequestOutput
 from qnext.sampling_params import SamplingParams
 from qnext.structured import GrammarCompiler, StructuredState
 from qnext.structured import validate as validate_structured
 from qnext.structured.thinking_budget import THINK_END, THINK_START, ThinkingBudget, prompt_inside_reasoning
 from qnext.tokenizer import IncrementalDetokenizer, Tokenizer
-from qnext.model.host_devices import engine_devices
 
 logger = logging.getLogger("qnext.engine")
 
@@ -55,30 +56,21 @@ class LLMEngine:
 
     def __init__(self, model: str | Path, *, progress: Callable[[str], Any] | None = None, **options):
         model = Path(model)
-        if not (model / "config.json").is_file():
-            raise ValueError(f"{model} is not a checkpoint directory: config.json is missing")
         config = EngineConfig(**options)
-        cfg = ModelConfig.from_pretrained(model)
         tokenizer = Tokenizer.from_pretrained(model) if (model / "tokenizer.json").is_file() else None
         (progress or (lambda msg: None))("loading weights")
-        dtype, tp = as_dtype(config.dtype), config.tensor_parallel_size
-        cfg = parallel_config(cfg, tp, config.enable_expert_parallel, config.attention_tensor_parallel)
-        if tp > 1:                       # host arrays, then each device gets only its shard
-            params = shard_params(convert_checkpoint(model, cfg, dtype), cfg, make_mesh(tp))
-        else:
-            params = load_params(model, cfg, dtype)
-        mtp = None
-        if config.num_speculative_tokens:
-            from qnext.model.mtp import MTP_FILE, load_mtp_params
-            mtp = load_mtp_params(model, cfg, dtype)
-            if mtp is None:
-                raise ValueError(f"speculative_config {config.speculative_config} drafts with the checkpoint's MTP "
-                                 f"head, but {model} has none (no mtp.* tensors, no {MTP_FILE}); train one with "
-                                 "scripts/train_mtp.py or drop speculative_config")
+        checkpoint = load_checkpoint(model, config.dtype, tensor_parallel_size=config.tensor_parallel_size,
+                                     expert_parallel=config.enable_expert_parallel,
+                                     attention_tensor_parallel=config.attention_tensor_parallel,
+                                     with_mtp=bool(config.num_speculative_tokens))
+        if config.num_speculative_tokens and checkpoint.mtp is None:
+            raise ValueError(f"speculative_config {config.speculative_config} drafts with the checkpoint's MTP "
+                             f"head, but {model} has none (no mtp.* tensors, no {MTP_FILE}); train one with "
+                             "scripts/train_mtp.py or drop speculative_config")
         if config.prefix_cache_dir is not None and config.enable_prefix_caching:
             self._weights_digest = files_digest_memoized(checkpoint_files(model),
                                                          Path(config.prefix_cache_dir) / WEIGHTS_DIGEST_MEMO)
-        self._start(config, cfg, params, tokenizer, mtp)
+        self._start(config, checkpoint.config, checkpoint.params, tokenizer, checkpoint.mtp)
 
     @classmethod
     def from_params(cls, cfg: ModelConfig, params, tokenizer: Tokenizer | None = None, **options) -> "LLMEngine":
@@ -92,14 +84,10 @@ class LLMEngine:
             raise ValueError("speculative_config needs the MTP head's params: pass mtp_params= (qnext/model/mtp.py)")
         cfg = parallel_config(cfg, config.tensor_parallel_size, config.enable_expert_parallel,
                               config.attention_tensor_parallel)
-        placed = place_params(params, cfg, config)
-        if mtp is not None:
-            import jax
-            import jax.numpy as jnp
-            mtp = jax.tree.map(lambda x: jnp.asarray(x, as_dtype(config.dtype)), mtp)
-        engine._start(config, cfg, placed, tokenizer, mtp)
+        placed = place_params(params, cfg, config.dtype, config.tensor_parallel_size)
+        engine._start(config, cfg, placed, tokenizer, None if mtp is None else place_mtp_params(mtp, config.dtype))
         # updates arrive as the source's arrays (or, under tensor parallelism, re-placed like the engine's own)
-        engine.runner.prepare_weight_updates(params if config.tensor_parallel_size == 1 else None)
+        engine._weight_update.prepare(placed, params if config.tensor_parallel_size == 1 else None)
         return engine
 
     def update_weights(self, params) -> None:
@@ -109,9 +97,7 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise RuntimeError(f"update_weights with {self.num_running} running and {self.num_waiting} waiting "
                                "requests: their KV and states come from the old weights; finish or abort them first")
-        if self.config.tensor_parallel_size > 1:
-            params = place_params(params, self.model_config, self.config)
-        self.runner.update_params(params)
+        self.runner.params = self._weight_update(self.runner.params, params)
         self.scheduler.clear_prefix_cache()
         self._weights_digest = None          # a persisted cache is bound to the new weights (digest at close)
 
@@ -129,6 +115,7 @@ class LLMEngine:
                               max_prefill_groups_extra=config.max_prefill_groups_extra)
         self.stats = EngineStats()
         self.runner = ModelRunner(cfg, params, config, buckets, self.stats)
+        self._weight_update = WeightUpdate(cfg, config.dtype, config.tensor_parallel_size)
         token_map = config.speculative_token_map
         if mtp is not None and token_map is not None:   # drafts over the map's ids only (model/draft_vocab.py)
             import jax.numpy as jnp
@@ -395,41 +382,6 @@ def validate_prompt(token_ids, params: SamplingParams, vocab_size: int, max_mode
     if len(token_ids) >= max_model_len:
         raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {max_model_len} "
                          "(the prompt must leave room for at least one generated token)")
-
-
-def place_params(params, cfg: ModelConfig, config: EngineConfig):
-    """In-memory params (the pytree of weights.param_specs(cfg); jax or numpy arrays of any float dtype) -> the
-    engine's own device arrays, always copies: cast to config.dtype (A_log and dt_bias stay float32) and committed
-    to the default device (as the update copy's outputs are, so the step's compilations serve both), or under
-    tensor parallelism through host memory into each device's shard."""
-    import jax
-    import jax.numpy as jnp
-
-    from qnext.model.weights import map_specs, param_specs
-
-    def value(path, spec):
-        name = "/".join(map(str, path))
-        try:
-            leaf = _at(params, path)
-        except (KeyError, IndexError, TypeError):
-            raise ValueError(f"the params have no weight {name}; pass the pytree of weights.param_specs(config) "
-                             "(qnext.flax.engine_params(model)[1] for a Flax model)") from None
-        if tuple(leaf.shape) != spec.shape:
-            raise ValueError(f"weight {name} has shape {tuple(leaf.shape)}; the model's config needs {spec.shape}")
-        return leaf
-
-    specs = param_specs(cfg, as_dtype(config.dtype))
-    if config.tensor_parallel_size > 1:
-        host = map_specs(lambda path, spec: np.asarray(jax.device_get(value(path, spec))).astype(spec.dtype), specs)
-        return shard_params(host, cfg, make_mesh(config.tensor_parallel_size))
-    device = engine_devices()[0]
-    return map_specs(lambda path, spec: jax.device_put(jnp.array(value(path, spec), dtype=spec.dtype), device), specs)
-
-
-def _at(tree, path):
-    for key in path:
-        tree = tree[key]
-    return tree
 
 
 def freeze_startup_heap() -> None:

@@ -27,7 +27,8 @@ import numpy as np
 from flax import struct
 
 from qnext.config import ModelConfig
-from qnext.engine.sampler import SamplingTensors, first_argmax, sample
+from qnext.engine.sampler import SamplingTensors, sample
+from qnext.model.argmax import first_argmax
 from qnext.model.forward import forward
 from qnext.model.step_inputs import StepInputs
 from qnext.model.tensor_parallel import local_config, shard_step

@@ -14,11 +14,12 @@ from qnext.config import ModelConfig
 from qnext.engine.config import EngineConfig
 from qnext.engine.multi_step import MultiStepInputs, make_multi_step
 from qnext.engine.plan import SampledToken, ScheduledSequence, StepPlan, StepResult
-from qnext.engine.sampler import first_argmax, sample
+from qnext.engine.sampler import sample
 from qnext.engine.sampling_inputs import SamplerInputBuilder, SamplingRow
 from qnext.engine.spec_step import ChainInputs, SpecInputs, make_mtp_catch_up, make_mtp_kv_catch_up, \
     make_spec_step, verify_inputs, window_length
 from qnext.engine.stats import EngineStats
+from qnext.model.argmax import first_argmax
 from qnext.model.buckets import BucketTable
 from qnext.model.forward import forward, forward_with_hidden
 from qnext.model.step_inputs import Segment, build_step_inputs
@@ -256,34 +257,6 @@ class ModelRunner:
     def free(self, request_id: str) -> None:
         self.sampler_inputs.free(request_id)
 
-    def prepare_weight_updates(self, example=None) -> None:
-        """Compiles update_params' in-place copy now, for updates shaped like `example` (default: the engine's own
-        params; its dtypes and shardings matter), so that such an update compiles nothing."""
-        def shapes(tree):
-            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-                                tree)
-
-        def overwrite(old, new):
-            # written into `old` (donated): a plain `new.astype(old.dtype)` leaves `old` unused, so XLA would drop
-            # the donation and return a fresh buffer, two copies of the weights alive at once
-            return jax.lax.dynamic_update_slice(old, new.astype(old.dtype), (0,) * old.ndim)
-
-        example = self.params if example is None else example
-        copy = jax.jit(lambda old, new: jax.tree.map(overwrite, old, new), donate_argnums=0)
-        self._copy_params = copy.lower(shapes(self.params), shapes(example)).compile()
-        self._copy_signature = _update_signature(example)
-
-    def update_params(self, params) -> None:
-        """Overwrites the weights with `params` (the same structure and shapes, cast to the engine's dtype), reusing
-        the old buffers (donated). An update of another dtype or sharding than the prepared one compiles its copy
-        once."""
-        if jax.tree.map(lambda x: x.shape, self.params) != jax.tree.map(lambda x: x.shape, params):
-            raise ValueError("update_weights needs params of the engine's structure and shapes (weights.param_specs), "
-                             f"got {jax.tree.structure(params)}")
-        if _update_signature(params) != getattr(self, "_copy_signature", None):
-            self.prepare_weight_updates(params)
-        self.params = self._copy_params(self.params, params)
-
     def activation_bytes(self) -> int:
         """Device bytes the largest step shape needs beyond its arguments (XLA's memory analysis of the compiled
         step), for sizing the cache from gpu_memory_utilization. The step is compiled with small cache buffers and
@@ -385,7 +358,3 @@ def _stop_id_width(stop_ids: list[list[int]]) -> int:
         width *= 2
     return width
 
-
-def _update_signature(params):
-    """What the compiled weight copy was built for: each leaf's shape, dtype and sharding."""
-    return jax.tree.map(lambda x: (x.shape, str(x.dtype), getattr(x, "sharding", None)), params)

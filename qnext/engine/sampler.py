@@ -20,6 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from qnext.model.argmax import first_argmax
 from qnext.sampling_params import GREEDY_TEMPERATURE
 
 _KEY_IMPL = "threefry2x32"
@@ -100,15 +101,6 @@ def row_keys(t: SamplingTensors, offset=0):
     """Each row's key for the token at output position + offset (what `sample` draws that token with)."""
     keys = jax.random.wrap_key_data(t.key_data, impl=_KEY_IMPL)
     return jax.vmap(jax.random.fold_in)(keys, t.position + offset)
-
-
-def first_argmax(x):
-    """jnp.argmax over the last axis (first index of the maximum) as two plain reductions: XLA:CPU's fused
-    (value, index) reduce is ~2x slower over a vocabulary row."""
-    v = x.shape[-1]
-    hit = x == x.max(axis=-1, keepdims=True)
-    return jnp.minimum(jnp.min(jnp.where(hit, jnp.arange(v, dtype=jnp.float32), jnp.inf), axis=-1), v - 1
-                       ).astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))

@@ -101,7 +101,8 @@ def accept_rows(target_logits, draft_tokens, tensors=None) -> Acceptance:
     the argmax of the penalized logits too). The random numbers of row r at window position i come from
     the row's key at output position + i (as `sample`), so a request's tokens depend on its seed and history only.
     """
-    from qnext.engine.sampler import GREEDY_TEMPERATURE, filter_logits, first_argmax, row_keys
+    from qnext.engine.sampler import GREEDY_TEMPERATURE, filter_logits, row_keys
+    from qnext.model.argmax import first_argmax
 
     n, width, v = target_logits.shape
     k = width - 1

@@ -18,7 +18,8 @@ import numpy as np
 
 from qnext.config import ModelConfig
 from qnext.engine.spec_decode import accept_greedy
-from qnext.model.mtp import dense_hidden, mtp_forward
+from qnext.model.dense import dense_hidden
+from qnext.model.mtp import mtp_forward
 
 Draft = Callable[[list[int], jnp.ndarray, int], list[int]]   # (tokens, target hidden of all but the last, k) -> drafts
 
@@ -50,7 +51,7 @@ def mtp_draft(params, mtp, cfg: ModelConfig, length: int) -> Draft:
 
 
 def target_forward(params, cfg: ModelConfig):
-    return jax.jit(lambda ids: dense_hidden(params, ids, cfg))
+    return jax.jit(lambda ids: dense_hidden(params, ids, None, cfg))
 
 
 def speculative_greedy(params, cfg: ModelConfig, prompt: list[int], max_tokens: int, k: int,

@@ -5,11 +5,11 @@
     config, params = qnext.flax.engine_params(model)     # the engine's weights pytree, a view of the module
     qnext.flax.save_pretrained(model, out_dir)           # Hugging Face checkpoint in the source's layout
 
-The forward runs the engine's layer code with dense cores for the sequence mixers (qnext/flax/dense_layers.py):
+The forward runs the engine's layer code with dense cores for the sequence mixers (qnext/model/dense.py):
 causal attention with a padding mask and the jnp chunked gated delta rule, on every backend, because the engine's
 Pallas kernels have no VJP.
 """
-from qnext.flax.dense_layers import dense_forward
+from qnext.model.dense import dense_forward
 from qnext.flax.model import (
     DecoderLayer,
     HybridCausalLM,

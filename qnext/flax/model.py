@@ -3,7 +3,7 @@
 The parameters are nnx.Param leaves in the engine's layout (docs/CONTRACTS.md: fused in_proj / qkv_proj / gate_up,
 [out, in] matrices, [E, in, out] expert stacks), named as the keys of `qnext.model.weights.param_specs(cfg)`, so the
 engine's params pytree is a view of the module's state (`engine_params`), and the forward is
-qnext/flax/dense_layers.py over that view: the engine's layer code, with dense cores for the sequence mixers.
+qnext/model/dense.py over that view: the engine's layer code, with dense cores for the sequence mixers.
 """
 from __future__ import annotations
 
@@ -16,9 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qnext.config import ModelConfig, read_json
-from qnext.flax.dense_layers import dense_forward
-from qnext.model.loader import load_params
-from qnext.model.weights import as_dtype
+from qnext.model.dense import dense_forward
+from qnext.model.checkpoint import load_checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,9 +89,6 @@ def from_pretrained(path: str | Path, dtype: Any = "float32") -> HybridCausalLM:
     """Loads a Hugging Face Qwen3-Next / Qwen3.5 / Qwen3.5-MoE checkpoint directory (any layout the engine
     loads) as a HybridCausalLM with weights in `dtype` (float32 or bfloat16; A_log and dt_bias stay float32)."""
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{path} is not a checkpoint directory: config.json is missing")
-    config = ModelConfig.from_pretrained(path)
-    params = load_params(path, config, as_dtype(dtype))
+    checkpoint = load_checkpoint(path, dtype)
     source = SourceCheckpoint(json.dumps(read_json(path / "config.json"), sort_keys=True), str(path.resolve()))
-    return HybridCausalLM(config, params, source)
+    return HybridCausalLM(checkpoint.config, checkpoint.params, source)

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from qnext.config import ModelConfig
-from qnext.flax.dense_layers import dense_decoder_layer, dense_full_attention
 from qnext.model import hf_export, loader
+from qnext.model.dense import dense_full_attention
 from qnext.model.linear import linear
 from qnext.model.mlp import feed_forward
 from qnext.model.norms import rms_norm
@@ -137,18 +137,7 @@ def init_mtp_params(params: dict, cfg: ModelConfig, key) -> dict:
             "layer": jax.tree.map(jnp.array, params["layers"][last_full])}
 
 
-# ---- dense forward (training and the reference speculative loop) -----------------------------------------------
-def dense_hidden(params, input_ids, cfg: ModelConfig):
-    """The target's final-normed hidden states [B, T, H] and logits [B, T, V] for unpadded input_ids [B, T]."""
-    mask = jnp.ones(input_ids.shape, bool)
-    positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
-    x = params["embed"][input_ids]
-    for i, p in enumerate(params["layers"]):
-        x = dense_decoder_layer(p, x, positions, mask, cfg, i)
-    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return h, linear(h, params["lm_head"], preferred_element_type=jnp.float32)
-
-
+# ---- dense forward (training and the reference speculative loop; the target's is model/dense.py) ---------------
 def mtp_forward(params, mtp, next_ids, hidden, cfg: ModelConfig):
     """next_ids: [B, S] the tokens x_{t+1} of slots t = 0..S-1; hidden: [B, S, H] the hidden state of each slot
     (the target's, or the head's own when chaining). Returns (logits [B, S, V] for x_{t+2}, the head's normed

@@ -16,7 +16,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from qnext.config import ModelConfig
-from qnext.engine.sampler import first_argmax
+from qnext.model.argmax import first_argmax
 from qnext.model.attention import full_attention
 from qnext.model.forward import lm_logits
 from qnext.model.linear import linear

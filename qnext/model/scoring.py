@@ -9,8 +9,8 @@ import numpy as np
 from qnext.config import ModelConfig
 from qnext.model.buckets import scoring_sizes
 from qnext.model.cache_buffers import model_cache_buffers
+from qnext.model.checkpoint import load_checkpoint
 from qnext.model.forward import make_step
-from qnext.model.loader import load_params
 from qnext.model.step_inputs import Segment, build_step_inputs
 from qnext.model.weights import as_dtype
 
@@ -52,9 +52,5 @@ class Model:
 
 def load_model(path: str | Path, dtype: str = "float32", cache_dir: str | Path | None = None) -> Model:
     """Loads a Hugging Face Qwen3-Next / Qwen3.5 checkpoint directory for scoring."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{path} is not a checkpoint directory: config.json is missing")
-    cfg = ModelConfig.from_pretrained(path)
-    dt = as_dtype(dtype)
-    return Model(config=cfg, params=load_params(path, cfg, dt, cache_dir=cache_dir), dtype=dt)
+    checkpoint = load_checkpoint(path, dtype, cache_dir=cache_dir)
+    return Model(config=checkpoint.config, params=checkpoint.params, dtype=as_dtype(dtype))

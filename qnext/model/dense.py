@@ -1,10 +1,11 @@
-"""The model over dense batches [B, T] with left padding: the Flax model's forward, differentiable.
+"""The model over dense batches [B, T] with left padding, differentiable: the one dense forward (the Flax model's
+forward, MTP training's and the reference speculative loop's target).
 
 The per-layer math is the engine's own (qnext/model/attention.py, deltanet.py, mlp.py, norms.py): only the sequence
 mixers' cores differ. Attention is dense causal softmax attention with padded keys masked, where the engine reads
 paged KV; the DeltaNet runs the engine's conv op on a fresh zero state and the chunked delta rule of
-qnext/flax/delta_rule.py, where the engine runs its state-row kernels. The Pallas kernels have no VJP, so this path
-always uses the jnp forms, on GPU too.
+qnext/model/dense_delta_rule.py, where the engine runs its state-row kernels. The Pallas kernels have no VJP, so
+this path always uses the jnp forms, on GPU too.
 
 Left padding (attention_mask 0) never reaches a real token: attention masks padded keys, and a padded token is
 the DeltaNet's identity (its conv input is zeroed, beta = 0 and g = 0, so the state passes through unchanged).
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 
 import pallas_kernels as ops
 from qnext.config import ModelConfig
-from qnext.flax.delta_rule import dense_gated_delta_rule
+from qnext.model.dense_delta_rule import dense_gated_delta_rule
 from qnext.model.attention import attention_inputs, attention_output
 from qnext.model.deltanet import delta_rule_inputs, deltanet_output, deltanet_projections
 from qnext.model.linear import linear
@@ -73,9 +74,10 @@ def dense_decoder_layer(p, x, positions, mask, cfg: ModelConfig, layer: int):
     return x + feed_forward(p["mlp"], rms_norm(x, p["post_attn_norm"], cfg.rms_norm_eps), cfg, layer)
 
 
-def dense_forward(params, input_ids, attention_mask, cfg: ModelConfig):
+def dense_hidden(params, input_ids, attention_mask, cfg: ModelConfig):
     """params: the engine's weights pytree (docs/CONTRACTS.md); input_ids: [B, T] int; attention_mask: [B, T] of
-    1 (token) / 0 (left padding), or None. Returns logits [B, T, V] float32."""
+    1 (token) / 0 (left padding), or None. Returns (final-normed hidden states [B, T, H], logits [B, T, V]
+    float32)."""
     if cfg.tensor_parallel_size != 1:
         raise ValueError(f"the dense forward runs one device's whole model; got a tensor-parallel shard config "
                          f"(tensor_parallel_size={cfg.tensor_parallel_size})")
@@ -94,4 +96,9 @@ def dense_forward(params, input_ids, attention_mask, cfg: ModelConfig):
         with jax.named_scope(f"layer_{i}"):
             x = dense_decoder_layer(p, x, positions, mask, cfg, i)
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return linear(h, params["lm_head"], preferred_element_type=jnp.float32)
+    return h, linear(h, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+def dense_forward(params, input_ids, attention_mask, cfg: ModelConfig):
+    """Logits [B, T, V] float32 of dense_hidden."""
+    return dense_hidden(params, input_ids, attention_mask, cfg)[1]
