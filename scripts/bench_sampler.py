@@ -8,9 +8,9 @@ its acceptance (`spec_decode.accept_rows`, which filters N x (k + 1) rows) again
 rows (the verify's forward runs that many tokens). Per batch, the Gumbel-max draw alone: batched noise (the sampler
 before) against a loop over rows (sampler.gumbel_max, now).
 
-Two kinds of logits: `model`, the bench checkpoint's own (a random model: nearly flat, so a top_p row's nucleus is
-wider than the window and the batch takes the bisection fallback), and `peaked`, a trained model's shape (64 ids
-drawn around +20, the rest around 0: the nucleus sits in the window).
+Three kinds of logits: `model`, the bench checkpoint's own (random weights, yet peaked: its top token holds
+0.6-0.95 of the mass); `peaked`, 64 ids drawn around +20 and the rest around 0 (a nucleus inside the window); `flat`,
+standard normal (a top_p row's nucleus is wider than the window: the batch takes the bisection fallback).
 
     python scripts/bench_sampler.py --model small-248k --batches 1,16 --k 3
 """
@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from qnext.bench.presets import PRESETS, bench_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+LOGITS = ("model", "peaked", "flat")
 MODES = {"greedy": dict(temperature=0.0), "temperature": dict(temperature=0.8),
          "top_k": dict(temperature=0.8, top_k=20), "top_p": dict(temperature=0.8, top_p=0.95),
          "top_k+top_p": dict(temperature=0.8, top_k=20, top_p=0.95)}
@@ -40,6 +41,7 @@ def parse_args(argv=None):
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--k", type=int, default=3, help="speculative tokens per row (0: no verify rows)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {list(MODES)}")
+    ap.add_argument("--logits", default=",".join(LOGITS), help=f"comma list of {list(LOGITS)}")
     ap.add_argument("--repeats", type=int, default=3, help="timed calls of each function; the fastest counts")
     ap.add_argument("--out-dir", default=str(ROOT / "bench_out"))
     ap.add_argument("--json-out", default=None)
@@ -48,6 +50,10 @@ def parse_args(argv=None):
         ap.error(f"model preset {args.model!r} is not one of {sorted(PRESETS)}")
     args.batches = [int(b) for b in args.batches.split(",") if b]
     args.modes = [m for m in args.modes.split(",") if m]
+    args.logits = [m for m in args.logits.split(",") if m]
+    for m in args.logits:
+        if m not in LOGITS:
+            ap.error(f"logits {m!r} is not one of {list(LOGITS)}")
     for m in args.modes:
         if m not in MODES:
             ap.error(f"mode {m!r} is not one of {list(MODES)}")
@@ -98,14 +104,20 @@ def decode_step_seconds(path, rows: list[int], vocab: int, rng) -> dict[int, flo
     return out
 
 
-def logits_sets(path, rows: int, vocab: int, rng) -> dict[str, np.ndarray]:
+def logits_sets(path, rows: int, vocab: int, rng, kinds=LOGITS) -> dict[str, np.ndarray]:
     from qnext.model.scoring import load_model
 
-    model = load_model(path, "float32").logits(rng.integers(3, vocab - 8, rows).tolist())    # [rows, V]
-    peaked = (rng.standard_normal((rows, vocab)) * 2).astype(np.float32)
-    for r in range(rows):
-        peaked[r, rng.choice(vocab, 64, replace=False)] += 20.0
-    return {"model": np.asarray(model, np.float32), "peaked": peaked}
+    out = {}
+    if "model" in kinds:
+        out["model"] = np.asarray(load_model(path, "float32").logits(rng.integers(3, vocab - 8, rows).tolist()),
+                                  np.float32)                                       # [rows, V]
+    if "peaked" in kinds:
+        out["peaked"] = (rng.standard_normal((rows, vocab)) * 2).astype(np.float32)
+        for r in range(rows):
+            out["peaked"][r, rng.choice(vocab, 64, replace=False)] += 20.0
+    if "flat" in kinds:
+        out["flat"] = rng.standard_normal((rows, vocab)).astype(np.float32)
+    return out
 
 
 def tensors_for(mode: str, rows: int, vocab: int):
@@ -188,8 +200,8 @@ def main(argv=None) -> dict:
               "results": []}
     for b in args.batches:
         width = b * (args.k + 1) if args.k else b
-        sets = logits_sets(path, width, vocab, rng)
-        report["draw"][b] = draw_times(sets["model"][:b], args.repeats)
+        sets = logits_sets(path, width, vocab, rng, args.logits)
+        report["draw"][b] = draw_times(next(iter(sets.values()))[:b], args.repeats)
         for kind, logits in sets.items():
             for mode in args.modes:
                 log(f"batch {b}, {kind} logits, {mode}")

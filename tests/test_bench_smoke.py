@@ -104,13 +104,14 @@ def test_bench_sampler_reports_each_mode(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_sampler.py"), "--model", "tiny",
                            "--batches", "2", "--k", "1", "--repeats", "1", "--modes", "greedy,top_p",
+                           "--logits", "model,flat",
                            "--out-dir", str(tmp_path / "bench_out"), "--json-out", str(out)],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["vocab"] == 512 and set(report["decode_step_s"]) == {"2", "4"}
     assert [(r["logits"], r["mode"]) for r in report["results"]] == [
-        ("model", "greedy"), ("model", "top_p"), ("peaked", "greedy"), ("peaked", "top_p")]
+        ("model", "greedy"), ("model", "top_p"), ("flat", "greedy"), ("flat", "top_p")]
     for r in report["results"]:
         assert r["sample_s"] > 0 and r["verify_s"] > 0
         assert ("sort_s" in r) == ("window_s" in r) == (r["mode"] == "top_p")
