@@ -8,8 +8,8 @@ Randomness: each row draws from fold_in(key(request), output_position), so a req
 seed (or, unseeded, on the engine seed and its arrival index) and never on the batch around it.
 
 `sample` compiles once per (N, V, K, B) and per which optional stages the batch needs: top-k/top-p filtering
-(top_k_top_p.py: a window of each row's largest logits, no sort), penalties (two dense [N, V] arrays) and the structured-output token bitmask are skipped, as None
-fields, when no row uses them.
+(top_k_top_p.py: a window of each row's largest logits, no sort), penalties (two dense [N, V] arrays) and the
+structured-output token bitmask are skipped, as None fields, when no row uses them.
 """
 
 from __future__ import annotations
@@ -102,8 +102,8 @@ def first_argmax(x):
 
 def gumbel_max(x, keys):
     """Each row's draw from softmax(x): first_argmax(x + Gumbel noise from the row's key) [N]. A loop over rows:
-    a row's noise (1 MiB at 248k ids) stays in cache, where a batched draw writes and reads [N, V] of it (same noise,
-    ~4x slower at 16 rows; scripts/bench_sampler.py)."""
+    a row's noise (1 MiB at 248k ids) stays in cache, where a batched draw writes and reads [N, V] of it (the same
+    noise, 2-5x slower at 16 rows; scripts/bench_sampler.py)."""
     def one(row_and_key):
         row, key = row_and_key
         return first_argmax(row + jax.random.gumbel(key, row.shape, jnp.float32))

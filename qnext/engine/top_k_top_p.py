@@ -87,7 +87,8 @@ def _mass_above(logits, p, t):
 
 
 def _allowed_probs(logits, kth):
-    """Softmax over each row's logits >= kth [N] (0 elsewhere) -> (p [N, V], its normaliser [N, 1] over exp(x - max))."""
+    """Softmax over each row's logits >= kth [N] (0 elsewhere) -> (p [N, V], its normaliser z [N, 1]: the sum of
+    exp(x - max))."""
     e = jnp.where(logits >= kth[:, None], jnp.exp(logits - logits.max(-1, keepdims=True)), 0.0)
     z = e.sum(-1, keepdims=True)
     return e / z, z
