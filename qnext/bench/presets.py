@@ -3,7 +3,11 @@
 - tiny, tiny-moe, tiny-next: the test configs (hidden 64, 4 layers); per-step Python overhead dominates.
 - small: real Qwen3.5 head dims (attention head_dim 256, linear key/value head dim 128, 16 value heads over 8 key
   heads), 3 linear + 1 full attention layer, hidden 1024; about 80M parameters (157 MFLOP per token), big enough
-  that matmuls, not Python, dominate a CPU step.
+  that matmuls, not Python, dominate a CPU step. Its vocabulary is 8,192 ids.
+- small-248k: small with Qwen3.5's real tokenizer and vocabulary (248,320 ids; embedding tied to the lm_head, which
+  halves the checkpoint, 1.3 GB in float32): the lm_head (254M parameters, 3.2x the rest of the model), the logits
+  and the sampler at the real model's size, which small makes ~30x cheaper. `small`'s figures stay comparable
+  run to run; this one says what the vocabulary costs.
 
 `<name>-lm` (lm_checkpoint_dir) is a preset's checkpoint with its decoder trained as a language model on the
 project's own text (scripts/train_bench_target.py, qnext/bench/text_corpus.py): same config and tokenizer, a target
@@ -27,16 +31,17 @@ class BenchModel:
 
 
 _LONG = {"max_position_embeddings": 4096}   # room for multi-turn chats; compute does not depend on it
+_SMALL = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=4, layer_types=[LIN, LIN, LIN, FULL],
+              num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=8,
+              linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128)
 
 PRESETS = {
     "tiny": BenchModel("tiny", "qwen3_5", dict(_LONG), 1024),
     "tiny-moe": BenchModel("tiny-moe", "qwen3_5_moe", dict(_LONG), 1024),
     "tiny-next": BenchModel("tiny-next", "qwen3_next", dict(_LONG), 1024),
-    "small": BenchModel("small", "qwen3_5", dict(
-        _LONG, vocab_size=8192, hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
-        layer_types=[LIN, LIN, LIN, FULL], num_attention_heads=8, num_key_value_heads=2, head_dim=256,
-        linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128),
-        1024),
+    "small": BenchModel("small", "qwen3_5", dict(_LONG, vocab_size=8192, **_SMALL), 1024),
+    "small-248k": BenchModel("small-248k", "qwen3_5", dict(_LONG, tokenizer="qwen3.5", tie_word_embeddings=True,
+                                                           **_SMALL), 1024),
 }
 _VERSION = 1  # bump when a preset changes so cached checkpoints are rewritten
 

@@ -8,8 +8,8 @@ Randomness: each row draws from fold_in(key(request), output_position), so a req
 seed (or, unseeded, on the engine seed and its arrival index) and never on the batch around it.
 
 `sample` compiles once per (N, V, K, B) and per which optional stages the batch needs: top-k/top-p filtering
-(a full sort), penalties (two dense [N, V] arrays) and the structured-output token bitmask are skipped, as None
-fields, when no row uses them.
+(top_k_top_p.py: a window of each row's largest logits, no sort), penalties (two dense [N, V] arrays) and the
+structured-output token bitmask are skipped, as None fields, when no row uses them.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from qnext.engine.top_k_top_p import apply_top_k_top_p
 from qnext.model.argmax import first_argmax
 from qnext.sampling_params import GREEDY_TEMPERATURE
 
@@ -60,21 +61,6 @@ def apply_penalties(logits, output_counts, prompt_mask, presence, frequency, rep
     return logits - frequency[:, None] * output_counts - presence[:, None] * in_output
 
 
-def apply_top_k_top_p(logits, top_k, top_p):
-    """Keeps the top_k largest logits, then the smallest prefix of those whose probability mass reaches top_p
-    (at least one token). Tokens tied with the last kept logit are kept too."""
-    v = logits.shape[-1]
-    ranks = jnp.arange(v)[None, :]
-    ordered = -jnp.sort(-logits, axis=-1)  # [N, V] descending
-    in_top_k = ranks < top_k[:, None]
-    probs = jax.nn.softmax(jnp.where(in_top_k, ordered, -jnp.inf), axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
-    num_kept = jnp.maximum(keep.sum(-1), 1)
-    threshold = jnp.take_along_axis(ordered, (num_kept - 1)[:, None], axis=-1)
-    return jnp.where(logits >= threshold, logits, -jnp.inf)
-
-
 def apply_min_p(logits, min_p):
     """Drops tokens with probability < min_p * max probability, i.e. logit < max logit + log(min_p)."""
     threshold = logits.max(-1, keepdims=True) + jnp.log(min_p)[:, None]
@@ -90,10 +76,13 @@ def apply_token_bitmask(logits, bitmask):
 
 
 def filter_logits(x, t: SamplingTensors):
-    """Temperature (greedy rows: 1), top-k / top-p, min-p: the logits a row draws from (-inf where filtered)."""
-    x = x / jnp.where(t.temperature < GREEDY_TEMPERATURE, 1.0, t.temperature)[:, None]
+    """Temperature, top-k / top-p, min-p: the logits a row draws from (-inf where filtered). Greedy rows (whose
+    token is the argmax whatever this returns) are left unfiltered, so they never send the batch down top-k /
+    top-p's slow path."""
+    greedy = t.temperature < GREEDY_TEMPERATURE
+    x = x / jnp.where(greedy, 1.0, t.temperature)[:, None]
     if t.top_k is not None:
-        x = apply_top_k_top_p(x, t.top_k, t.top_p)
+        x = apply_top_k_top_p(x, jnp.where(greedy, x.shape[-1], t.top_k), jnp.where(greedy, 1.0, t.top_p))
     return apply_min_p(x, t.min_p)
 
 
@@ -103,13 +92,23 @@ def row_keys(t: SamplingTensors, offset=0):
     return jax.vmap(jax.random.fold_in)(keys, t.position + offset)
 
 
+def gumbel_max(x, keys):
+    """Each row's draw from softmax(x): first_argmax(x + Gumbel noise from the row's key) [N]. A loop over rows:
+    a row's noise (1 MiB at 248k ids) stays in cache, where a batched draw writes and reads [N, V] of it (the same
+    noise, 2-5x slower at 16 rows; scripts/bench_sampler.py)."""
+    def one(row_and_key):
+        row, key = row_and_key
+        return first_argmax(row + jax.random.gumbel(key, row.shape, jnp.float32))
+    return jax.lax.map(one, (x, keys))
+
+
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))
 def sample(logits, tensors: SamplingTensors, num_logprobs: int | None = 0) -> SamplerOutput:
     """logits [N, V] -> one token per row. num_logprobs = K, the static top-logprobs width (logprobs_bucket);
     None when no row asked for logprobs: the log-softmax is skipped and `logprobs` is 0, `ranks` 1."""
     t = tensors
     logits = logits.astype(jnp.float32)
-    n, v = logits.shape
+    n = logits.shape[0]
 
     rows = jnp.arange(n)[:, None]
     x = logits.at[rows, t.suppressed_ids].set(-jnp.inf, mode="drop")
@@ -126,9 +125,7 @@ def sample(logits, tensors: SamplingTensors, num_logprobs: int | None = 0) -> Sa
     if t.key_data is None:                       # an all-greedy batch draws no noise
         tokens = greedy_tokens.astype(jnp.int32)
     else:
-        keys = row_keys(t)
-        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)
-        sampled = first_argmax(x + gumbel)
+        sampled = gumbel_max(x, row_keys(t))
         tokens = jnp.where(is_greedy, greedy_tokens, sampled).astype(jnp.int32)
     return token_logprobs(logits, tokens, num_logprobs)
 

@@ -1,8 +1,12 @@
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from qnext.engine.postprocess import check_stop
-from qnext.engine.sampler import apply_penalties, sample
+from qnext.engine.sampler import apply_min_p, apply_penalties, first_argmax, row_keys, sample
+from qnext.engine.top_k_top_p import (WINDOW, apply_top_k_top_p, top_k_top_p_by_bisection, top_k_top_p_by_sort,
+                                      window_settles)
 from qnext.engine.sampling_inputs import PenaltyState, SamplerInputBuilder, SamplingRow, logprobs_bucket
 from qnext.outputs import Logprob, logprobs_entry
 from qnext.sampling_params import SamplingParams
@@ -250,3 +254,98 @@ def test_plain_greedy_rows_are_those_whose_token_is_the_raw_argmax():
                            (SamplingParams(**greedy, repetition_penalty=1.2), []),
                            (SamplingParams(**greedy, min_tokens=2), [1])]:                # eos still suppressed
         assert not builder.plain_greedy(plain + [row(params, output=output, index=9)])
+
+
+# ---- top-k / top-p without a sort (top_k_top_p.py) -------------------------------------------------------------------
+def filter_cases(seed, n, v):
+    """Rows of random logits (some quantised, so ties fall on the thresholds; some with -inf ids) and top_k / top_p
+    at their edges: 1, the window's bound and either side of it, V; top_p 1 (off), tiny, and near 1."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, v)).astype(np.float32) * rng.choice([0.3, 1.0, 3.0, 10.0], (n, 1)).astype(np.float32)
+    x[::3] = np.round(x[::3] * 2) / 2                                   # ties
+    x[1::4, : v // 3] += 12.0                                           # a peak: a nucleus inside the window
+    x[2::5, rng.integers(0, v, 5)] = -np.inf                            # suppressed ids
+    top_k = np.minimum(rng.choice([1, 2, 20, WINDOW - 1, WINDOW, WINDOW + 1, v // 2, v - 1, v, v], n), v)
+    top_p = rng.choice([1.0, 1.0, 1e-6, 0.3, 0.9, 0.95, 0.999, 0.9999999], n)
+    return x, top_k.astype(np.int32), top_p.astype(np.float32)
+
+
+@pytest.mark.parametrize("v", [200, 1000])
+def test_top_k_top_p_window_fallback_and_sort_keep_the_same_tokens(v):
+    """The window path and the bisection fallback (every row) give bit-identical logits, over 16 batches of 64
+    rows; the full sort keeps the same tokens except at top_p 0.9999999, where the last tokens' masses (~1e-8) are
+    below float32 rounding and a cumulative sum in sorted order decides them differently."""
+    window, bisection, by_sort = (jax.jit(f) for f in (apply_top_k_top_p, top_k_top_p_by_bisection,
+                                                        top_k_top_p_by_sort))
+    kept = 0
+    for seed in range(16):
+        x, top_k, top_p = filter_cases(seed, 64, v)
+        got, fallback, want = (np.asarray(f(x, top_k, top_p)) for f in (window, bisection, by_sort))
+        np.testing.assert_array_equal(got, fallback)
+        rounding = top_p == np.float32(0.9999999)
+        np.testing.assert_array_equal(np.isfinite(got)[~rounding], np.isfinite(want)[~rounding])
+        np.testing.assert_array_equal(got[np.isfinite(got)], x[np.isfinite(got)])
+        kept += np.isfinite(got).sum()
+        for i in np.flatnonzero(top_p >= 1.0):                          # top-k alone: the top_k largest and ties
+            finite = np.sort(x[i][np.isfinite(x[i])])[::-1]
+            if top_k[i] <= len(finite):
+                assert np.isfinite(got[i]).sum() == (x[i] >= finite[top_k[i] - 1]).sum()
+    assert 0 < kept < 16 * 64 * v
+
+
+def test_top_p_keeps_tokens_whose_mass_above_is_below_top_p():
+    """Probabilities 1/2, 1/4, 1/8, 1/16, 1/16 and three -inf ids: a token is kept while the mass strictly above it
+    is below top_p, and a token tied with a kept one is kept."""
+    x = np.array([[np.log(q / 16) for q in (8, 4, 2, 1, 1)] + [-np.inf] * 3], np.float32)
+    for top_p, count in [(1e-6, 1), (0.4999, 1), (0.5001, 2), (0.7499, 2), (0.7501, 3), (0.8749, 3), (0.8751, 5),
+                         (1.0, 5)]:
+        args = (x, np.array([8], np.int32), np.array([top_p], np.float32))
+        for f in (apply_top_k_top_p, top_k_top_p_by_bisection, top_k_top_p_by_sort):
+            assert np.isfinite(np.asarray(f(*args))).sum() == count, (f.__name__, top_p)
+
+
+def sampled_rows(logits, params, builder):
+    return run(logits, [row(p, output=[0] * i, index=i, request_id=f"q{i}") for i, p in enumerate(params)], builder)
+
+
+def test_tokens_do_not_depend_on_a_row_that_takes_the_fallback():
+    """A batch of top-k / top-p rows draws the same tokens, with the same seeds, whether or not another row in the
+    batch (top_k above the window) sends the filter down its bisection fallback, and the same tokens as the full
+    sort would give (drawn from the same keys)."""
+    v, n = 2048, 24
+    x, top_k, top_p = filter_cases(99, n, v)
+    temperature = np.random.default_rng(5).choice([0.0, 0.5, 1.0, 1.7], n)
+    params = [SamplingParams(temperature=float(t), top_k=int(k), top_p=float(p), min_p=0.05 * (i % 3), seed=i)
+              for i, (t, k, p) in enumerate(zip(temperature, np.minimum(top_k, WINDOW), top_p))]
+    builder = SamplerInputBuilder(v, seed=0)
+    alone = sampled_rows(x, params, builder)["token_ids"]
+    forcing = params[:-1] + [SamplingParams(temperature=1.0, top_k=WINDOW + 7, seed=7)]
+    with_fallback = sampled_rows(x, forcing, builder)["token_ids"]
+    np.testing.assert_array_equal(with_fallback[:-1], alone[:-1])
+
+    tensors, _ = builder.build([row(p, output=[0] * i, index=i, request_id=f"q{i}") for i, p in enumerate(params)], n)
+    scaled = x / np.where(temperature < 1e-5, 1.0, temperature)[:, None].astype(np.float32)
+    assert np.asarray(window_settles(scaled, tensors.top_k, tensors.top_p)).all()     # alone: no fallback
+    forcing_k = np.where(np.arange(n) == n - 1, WINDOW + 7, tensors.top_k)
+    assert not np.asarray(window_settles(scaled, forcing_k, tensors.top_p))[-1]
+    filtered = apply_min_p(top_k_top_p_by_sort(scaled, tensors.top_k, tensors.top_p), tensors.min_p)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(row_keys(tensors))
+    want = np.where(temperature < 1e-5, x.argmax(-1), np.asarray(first_argmax(filtered + gumbel)))
+    np.testing.assert_array_equal(alone, want)
+    assert len(set(alone.tolist())) > n // 2
+
+
+def test_top_k_top_p_at_qwen35_vocabulary():
+    """248,320 ids: peaked rows settle in the window, a flat top_p row and a top_k above the window fall back;
+    every row keeps the tokens the full sort keeps."""
+    from qnext.testing.qwen_tokenizer import QWEN35_VOCAB_SIZE as v
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, v)).astype(np.float32) * 2
+    x[:2, rng.integers(0, v, 60)] += 14.0
+    top_k = np.array([20, v, v, 1000], np.int32)
+    top_p = np.array([0.95, 0.9, 0.95, 1.0], np.float32)
+    got, want = (np.isfinite(np.asarray(jax.jit(f)(x, top_k, top_p)))
+                 for f in (apply_top_k_top_p, top_k_top_p_by_sort))
+    np.testing.assert_array_equal(got, want)
+    assert got[0].sum() <= 20 and got[1].sum() <= WINDOW < got[2].sum() and got[3].sum() == 1000

@@ -83,3 +83,36 @@ def test_bench_transformers_driver_matches_qnext_token_for_token(tmp_path):
     out = llm.generate({"prompt_token_ids": prompts[0]}, greedy)
     assert len(hf[0]) == 64
     assert out[0].outputs[0].token_ids == hf[0]
+
+
+def test_small_248k_is_small_with_qwen35_vocabulary():
+    """The real-vocabulary preset changes only the vocabulary (and ties the embedding to the lm_head), so its
+    figures beside `small`'s say what the vocabulary costs."""
+    from qnext.bench.presets import PRESETS
+
+    small, real = PRESETS["small"].overrides, PRESETS["small-248k"].overrides
+    assert {k: v for k, v in real.items() if k not in ("tokenizer", "tie_word_embeddings")} == \
+        {k: v for k, v in small.items() if k != "vocab_size"}
+    assert real["tokenizer"] == "qwen3.5" and small["vocab_size"] == 8192
+    assert PRESETS["small-248k"].family == PRESETS["small"].family
+
+
+def test_bench_sampler_reports_each_mode(tmp_path):
+    """scripts/bench_sampler.py on the tiny preset: a decode step per row count, and per batch, logits kind and
+    mode the sampler's time; top-k / top-p modes time the window and the sort, and the verify its acceptance."""
+    out = tmp_path / "sampler.json"
+    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_sampler.py"), "--model", "tiny",
+                           "--batches", "2", "--k", "1", "--repeats", "1", "--modes", "greedy,top_p",
+                           "--logits", "model,flat",
+                           "--out-dir", str(tmp_path / "bench_out"), "--json-out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["vocab"] == 512 and set(report["decode_step_s"]) == {"2", "4"}
+    assert [(r["logits"], r["mode"]) for r in report["results"]] == [
+        ("model", "greedy"), ("model", "top_p"), ("flat", "greedy"), ("flat", "top_p")]
+    for r in report["results"]:
+        assert r["sample_s"] > 0 and r["verify_s"] > 0
+        assert ("sort_s" in r) == ("window_s" in r) == (r["mode"] == "top_p")
+    assert "share" in proc.stdout
