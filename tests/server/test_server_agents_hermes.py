@@ -8,8 +8,8 @@ import json
 import pytest
 
 from qnext.testing.tiny_tokenizer import TINY_HERMES_CHAT_TEMPLATE
-from tests.support.agent_server_cases import (BLOCK_SIZE, MESSAGES, TOOLS, agent_server, assemble_stream, check_forced,
-                                      forced_request, write_checkpoint)
+from tests.support.agent_server_cases import (BLOCK_SIZE, MESSAGES, TOOLS, agent_server, assemble_stream,
+                                              check_many_forced, write_checkpoint)
 
 MODEL = "tiny-qwen3-next"
 
@@ -23,9 +23,7 @@ def client(tmp_path_factory):
 
 
 def test_forced_outputs_parse_and_validate(client):
-    for i in range(24):
-        kind, kwargs = forced_request(i)
-        check_forced(kind, kwargs, client.chat.completions.create(model=MODEL, **kwargs))
+    check_many_forced(client, MODEL, 24)
 
 
 def test_streamed_calls_equal_the_non_streamed_ones(client):

@@ -13,7 +13,7 @@ from qnext.sampling_params import StructuredOutputsParams
 from qnext.structured import GrammarCompiler
 from qnext.tokenizer import Tokenizer
 from tests.support.agent_server_cases import (BLOCK_SIZE, MESSAGES, SCHEMAS, TOOLS, WEATHER, agent_server,
-                                      assemble_stream, check_forced, forced_request, write_checkpoint)
+                                              assemble_stream, check_many_forced, write_checkpoint)
 
 MODEL = "tiny-qwen35"
 
@@ -30,9 +30,7 @@ def client(checkpoint, tmp_path_factory):
 
 
 def test_forced_outputs_parse_and_validate_over_many_random_requests(client):
-    for i in range(54):
-        kind, kwargs = forced_request(i)
-        check_forced(kind, kwargs, client.chat.completions.create(model=MODEL, **kwargs))
+    check_many_forced(client, MODEL, 54)
 
 
 def test_json_object_output_is_an_object_or_a_prefix_of_one(client, checkpoint):

@@ -107,6 +107,13 @@ def check_forced(kind: str, kwargs: dict, response) -> None:
         assert message.content in CHOICES, context
 
 
+def check_many_forced(client, model: str, count: int) -> None:
+    """The first `count` requests of the forced-output workload, each complete, parsed and valid."""
+    for i in range(count):
+        kind, kwargs = forced_request(i)
+        check_forced(kind, kwargs, client.chat.completions.create(model=model, **kwargs))
+
+
 def assemble_stream(chunks) -> dict:
     """Streamed chat chunks -> {"content", "reasoning", "tool_calls": [(name, arguments)], "finish_reason"},
     checking OpenAI's tool-call delta shapes on the way (id, type and name first, then argument fragments)."""
