@@ -63,7 +63,10 @@ def _sample_rows(logits, index, tensors, num_logprobs):
     return sample(logits[index], tensors, num_logprobs=num_logprobs)
 
 
-_WARM_UP_SAMPLING = (SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9))
+# The sampler variants warm-up compiles: plain sampling (the OpenAI APIs' default, temperature 1 and top_p 1) and
+# top-p. Plain greedy rows take the step's own argmax; the rarer variants (logprobs, penalties, min_tokens, grammar
+# masks) compile on first use.
+_WARM_UP_SAMPLING = (SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9))
 
 
 def _sampling_rows(items: list[ScheduledSequence]) -> list[SamplingRow]:
