@@ -125,3 +125,12 @@ def test_a_start_whose_shapes_are_cached_skips_the_warm_up(tmp_path):
         assert start(other, str(tmp_path)) and other.warm_ups == 1
     no_cache = _FakeEngine("model A", "options 1")             # the cache off (or the check off): always warms up
     assert start(no_cache, None) and no_cache.warm_ups == 1
+
+
+def test_the_serve_flag_is_the_engine_option():
+    from qnext.server.cli import build_parser
+
+    parser, names = build_parser()
+    assert "compilation_cache_dir" in names
+    assert parser.parse_args(["serve", "--compilation-cache-dir", "none"]).compilation_cache_dir == "none"
+    assert parser.parse_args(["serve"]).compilation_cache_dir is None          # the engine's default
