@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -144,6 +145,7 @@ def main(argv=None) -> int:
                    help="serve: the tiny demo checkpoint, or a tiny qwen3_5 checkpoint with Qwen3.5's tokenizer "
                         "(sampler: always the latter)")
     p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--keep", action="store_true", help="keep the work directory (checkpoint, cache, server logs)")
     args, extra = p.parse_known_args(argv)
     work = Path(tempfile.mkdtemp(prefix="qnext-startup-"))
     cache_dir = Path(args.cache_dir) if args.cache_dir else work / "jax"
@@ -153,15 +155,20 @@ def main(argv=None) -> int:
 
         model = str(write_tiny_checkpoint(work / "qwen3_5-real-vocab", "qwen3_5", tokenizer="qwen3.5"))
     print(f"cache: {cache_dir}; load average {os.getloadavg()[0]:.1f}", flush=True)
-    if args.what == "sampler":
-        print(json.dumps({**time_sampler_warm_up(model), "load_average": round(os.getloadavg()[0], 1)}))
-        return 0
-    for run in range(1, args.runs + 1):
-        if args.what == "serve":
-            result = time_serve(cache_dir, model, work / f"server-{run}.log")
+    try:
+        if args.what == "sampler":
+            print(json.dumps({**time_sampler_warm_up(model), "load_average": round(os.getloadavg()[0], 1)}))
+        for run in range(1, args.runs + 1 if args.what != "sampler" else 1):
+            if args.what == "serve":
+                result = time_serve(cache_dir, model, work / f"server-{run}.log")
+            else:
+                result = time_generate(cache_dir, extra)
+            print(json.dumps({"run": run, **result, "load_average": round(os.getloadavg()[0], 1)}), flush=True)
+    finally:
+        if args.keep:
+            print(f"kept {work}")
         else:
-            result = time_generate(cache_dir, extra)
-        print(json.dumps({"run": run, **result, "load_average": round(os.getloadavg()[0], 1)}), flush=True)
+            shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
