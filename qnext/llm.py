@@ -19,7 +19,9 @@ class LLM:
     max_model_len, dtype, seed, num_gpu_blocks_override, kv_offloading_size (GiB of host RAM for evicted KV blocks
     and snapshots); plus max_num_snapshots and snapshot_memory_bytes for the prefix-snapshot pool of the
     linear-attention state, and prefix_cache_dir (the cache is written there at close() and read at start; use
-    `with LLM(...) as llm:`). warm_up=True compiles every step shape up front.
+    `with LLM(...) as llm:`), compilation_cache_dir (JAX's persistent compilation cache, on by default in
+    ~/.cache/qnext/jax; "none" turns it off: qnext/engine/compilation_cache.py). warm_up=True compiles every step
+    shape up front (reading each from the compilation cache when it has it).
     """
 
     def __init__(self, model: str | Path, *, warm_up: bool = False, progress=None, **engine_options):

@@ -45,6 +45,7 @@ from qnext.model.host_devices import request_host_devices  # noqa: E402
 from qnext.bench.flops import matmul_shapes, workload_flops  # noqa: E402
 from qnext.bench.presets import PRESETS, bench_checkpoint  # noqa: E402
 from qnext.bench.bandwidth import floors, memory_bandwidth, weight_bytes, workload_bytes  # noqa: E402
+from qnext.engine.compilation_cache import enable_compilation_cache  # noqa: E402
 from qnext.engine.llm_engine import freeze_startup_heap  # noqa: E402
 from qnext.bench.transformers_driver import agreement, load_hf, random_prompts, run_hf  # noqa: E402
 
@@ -635,7 +636,7 @@ def main(argv=None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     import jax
 
-    jax.config.update("jax_compilation_cache_dir", str(out_dir / "jax_cache"))
+    enable_compilation_cache(str(out_dir / "jax_cache"))       # the engines' default dir is JAX's, once set
     log = functools.partial(print, file=sys.stderr, flush=True)
     hf_ok = False
     if any(args.hf_batches.values()):

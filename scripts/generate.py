@@ -50,6 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="decode steps per jitted call (more: fewer host round trips, burstier streaming)")
     p.add_argument("--no-warm-up", action="store_true", help="compile step shapes lazily instead of up front")
+    p.add_argument("--compilation-cache-dir", help="JAX's persistent compilation cache ('none': off; default "
+                                                   "$QNEXT_COMPILATION_CACHE_DIR, else ~/.cache/qnext/jax). A run "
+                                                   "whose step shapes an earlier run cached skips the warm-up")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="devices the model's heads are split over (on CPU: that many XLA host devices)")
     p.add_argument("--enable-expert-parallel", action="store_true",
@@ -72,6 +75,7 @@ def build_llm(args):
     if dist.node_rank:
         sys.stdout = open(os.devnull, "w")
     import qnext
+    from qnext.engine.compilation_cache import warm_up_unless_cached
     from qnext.testing.tiny_checkpoint import demo_checkpoint_dir
 
     model = args.model
@@ -84,11 +88,19 @@ def build_llm(args):
                         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
                         num_scheduler_steps=args.num_scheduler_steps,
                         tensor_parallel_size=args.tensor_parallel_size,
-                        enable_expert_parallel=args.enable_expert_parallel)
+                        enable_expert_parallel=args.enable_expert_parallel,
+                        compilation_cache_dir=args.compilation_cache_dir)
         bar.update()
     if not args.no_warm_up:
-        with tqdm(total=llm.engine.num_step_shapes, desc="compiling step shapes", unit="shape", leave=False) as bar:
-            llm.engine.warm_up(on_bucket=bar.update)
+        engine = llm.engine
+
+        def warm_up():
+            with tqdm(total=engine.num_step_shapes, desc="compiling step shapes", unit="shape", leave=False) as bar:
+                engine.warm_up(on_bucket=bar.update)
+
+        # several processes warm up together, whatever each one's cache holds (their steps are collective)
+        cache_dir = engine.compilation_cache_dir if dist.nnodes == 1 else None
+        warm_up_unless_cached(engine, cache_dir, warm_up, log=lambda msg: None)
     return llm, model
 
 

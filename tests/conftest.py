@@ -1,6 +1,12 @@
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Hermetic: no engine, server or script the tests start writes JAX's compilation cache into ~/.cache (the engines'
+# default); tests of the cache name a temporary directory.
+os.environ["QNEXT_COMPILATION_CACHE_DIR"] = "none"
 
 
 @pytest.fixture(scope="session")

@@ -36,6 +36,8 @@ class EngineConfig:
     kv_offloading_size: float = 0.0           # GiB of host RAM for the cache's host tier (evicted KV blocks and
                                               # snapshots); 0: evictions are dropped (docs/cache.md)
     prefix_cache_dir: str | os.PathLike | None = None   # the prefix cache is written here at close(), read at start
+    compilation_cache_dir: str | os.PathLike | None = None   # JAX's persistent compilation cache; None: the default
+                                              # (~/.cache/qnext/jax), "none": off (engine/compilation_cache.py)
     speculative_config: dict | None = None    # vLLM's: {"method": "mtp", "num_speculative_tokens": k} drafts k
                                               # tokens a step with the checkpoint's MTP head (docs/speculative.md)
     gpu_kernel_backend: str = "auto"          # Pallas GPU kernels: "auto" (Mosaic GPU on Hopper with JAX >= 0.10.2,
@@ -80,8 +82,10 @@ class EngineConfig:
             if self.num_scheduler_steps > 1:
                 raise ValueError("speculative decoding already runs several tokens per call: use "
                                  "num_scheduler_steps=1 with speculative_config")
-        if self.prefix_cache_dir is not None and not isinstance(self.prefix_cache_dir, (str, os.PathLike)):
-            raise ValueError(f"prefix_cache_dir must be a path, got {self.prefix_cache_dir!r}")
+        for name in ("prefix_cache_dir", "compilation_cache_dir"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise ValueError(f"{name} must be a path, got {value!r}")
 
     @property
     def num_speculative_tokens(self) -> int:

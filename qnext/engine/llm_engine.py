@@ -25,6 +25,7 @@ from cache.fingerprint import files_digest_memoized
 from cache.persisted_cache import save_prefix_cache
 from qnext.config import ModelConfig
 from qnext.engine.cache_setup import cache_sizes, make_cache, params_weights_digest, prefix_cache_fingerprint
+from qnext.engine.compilation_cache import enable_compilation_cache
 from qnext.engine.config import EngineConfig
 from qnext.engine.postprocess import request_output
 from qnext.engine.runner import ModelRunner
@@ -52,11 +53,13 @@ WEIGHTS_DIGEST_MEMO = "weights_digest.json"   # in prefix_cache_dir: the checkpo
 
 class LLMEngine:
     _weights_digest: str | None = None   # of the weights the cache was computed with (only with prefix_cache_dir)
+    compilation_cache_dir: str | None = None   # JAX's persistent compilation cache this engine turned on (None: off)
     _closed = False
 
     def __init__(self, model: str | Path, *, progress: Callable[[str], Any] | None = None, **options):
         model = Path(model)
         config = EngineConfig(**options)
+        self.compilation_cache_dir = enable_compilation_cache(config.compilation_cache_dir)   # before any compile
         tokenizer = Tokenizer.from_pretrained(model) if (model / "tokenizer.json").is_file() else None
         (progress or (lambda msg: None))("loading weights")
         checkpoint = load_checkpoint(model, config.dtype, tensor_parallel_size=config.tensor_parallel_size,
@@ -80,6 +83,7 @@ class LLMEngine:
         engine = cls.__new__(cls)
         mtp = options.pop("mtp_params", None)
         config = EngineConfig(**options)
+        engine.compilation_cache_dir = enable_compilation_cache(config.compilation_cache_dir)  # before any compile
         if config.num_speculative_tokens and mtp is None:
             raise ValueError("speculative_config needs the MTP head's params: pass mtp_params= (qnext/model/mtp.py)")
         cfg = parallel_config(cfg, config.tensor_parallel_size, config.enable_expert_parallel,

@@ -64,7 +64,10 @@ def _sample_rows(logits, index, tensors, num_logprobs):
     return sample(logits[index], tensors, num_logprobs=num_logprobs)
 
 
-_WARM_UP_SAMPLING = (SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9))
+# The sampler variants warm-up compiles: plain sampling (the OpenAI APIs' default, temperature 1 and top_p 1) and
+# top-p. Plain greedy rows take the step's own argmax; the rarer variants (logprobs, penalties, min_tokens, grammar
+# masks) compile on first use.
+_WARM_UP_SAMPLING = (SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9))
 
 
 def _sampling_rows(items: list[ScheduledSequence]) -> list[SamplingRow]:
@@ -322,7 +325,10 @@ class ModelRunner:
 
     def warm_up(self, buffers: CacheBuffers, on_bucket=None) -> CacheBuffers:
         """Compiles the step for every bucket (and the common sampler variants) on idle inputs that write nothing
-        but the dummy block and row; returns the buffers. `on_bucket()` is called after each bucket."""
+        but the dummy block and row; returns the buffers. `on_bucket()` is called after each bucket. The sampler
+        compiles per logits-row count, so it runs once per count (at a 248k vocabulary each run of its sort costs
+        more than its compile)."""
+        sampler_rows = set()
         for bucket in self.buckets.all:
             s = bucket.sizes
             decode = min(s.num_decode, s.num_logits - (1 if s.num_chunks else 0), s.num_tokens - 2)
@@ -342,10 +348,11 @@ class ModelRunner:
                                                        s.num_decode)
                 _, _, buffers = self._multi_step(self.params, buffers, inputs, idle, tensors)
                 self.sampler_inputs.free("warm-up")
-            for params in _WARM_UP_SAMPLING:     # the sampler variants most requests use
+            for params in _WARM_UP_SAMPLING if s.num_logits not in sampler_rows else ():   # most requests' variants
                 tensors, k = self.sampler_inputs.build([SamplingRow("warm-up", params, [0], [], 0)], s.num_logits)
                 jax.block_until_ready(_sample_rows(logits, np.zeros(s.num_logits, np.int32), tensors, num_logprobs=k))
                 self.sampler_inputs.free("warm-up")
+            sampler_rows.add(s.num_logits)
             if on_bucket is not None:
                 on_bucket()
         return buffers

@@ -21,6 +21,12 @@ logger = logging.getLogger("qnext.server")
 DEMO_MODEL_NAME = "qnext-tiny-demo"
 
 
+OPTION_HELP = {   # engine options whose default is not a plain value
+    "compilation_cache_dir": "JAX's persistent compilation cache ('none': off); default $QNEXT_COMPILATION_CACHE_DIR, "
+                             "else ~/.cache/qnext/jax",
+}
+
+
 def json_object(text: str) -> dict:
     """A flag's JSON object value (vLLM's form: --speculative-config '{"method": "mtp", ...}')."""
     try:
@@ -40,7 +46,7 @@ def engine_option_flags(parser: argparse.ArgumentParser) -> list[str]:
         flag = "--" + field.name.replace("_", "-")
         kind = str(field.type)
         default = field.default if field.default is not dataclasses.MISSING else None
-        help_text = f"engine default: {default}"
+        help_text = OPTION_HELP.get(field.name, f"engine default: {default}")
         if kind == "bool":
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
@@ -94,16 +100,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_access_arguments(p: argparse.ArgumentParser) -> None:
     from qnext.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
-    from qnext.server.startup import CACHE_DIR_ENV, default_compilation_cache_dir
 
     p.add_argument("--api-key", default=os.environ.get("QNEXT_API_KEY") or None,
                    help="require this key on /v1 routes (Authorization: Bearer, or x-api-key on /v1/messages); "
                         "default: $QNEXT_API_KEY, else no key")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="larger request bodies are refused with 413 before they are read")
-    p.add_argument("--compilation-cache-dir", default=default_compilation_cache_dir(),
-                   help=f"JAX's persistent compilation cache ('none': off); default ${CACHE_DIR_ENV}, else "
-                        "~/.cache/qnext/jax")
 
 
 def serve(args: argparse.Namespace, engine_options: dict) -> int:
@@ -118,7 +120,8 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
     import qnext
     from qnext.engine.llm_engine import freeze_startup_heap
     from qnext.server.app import build_app
-    from qnext.server.startup import enable_compilation_cache, warm_up_unless_cached
+    from qnext.engine.compilation_cache import resolve_compilation_cache_dir, warm_up_unless_cached
+    from qnext.server.startup import warm_up_with_progress
     from qnext.testing.tiny_checkpoint import demo_checkpoint_dir
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -127,9 +130,8 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
         logger.warning("no MODEL given: serving the built-in tiny demo checkpoint (random weights, gibberish text)")
         model, names = demo_checkpoint_dir(), names or [DEMO_MODEL_NAME]
     names = names or [str(args.model)]
-    cache_dir = enable_compilation_cache(args.compilation_cache_dir)
     logger.info("loading %s with %s; compilation cache: %s", model, engine_options or "the engine's default options",
-                cache_dir or "off")
+                resolve_compilation_cache_dir(engine_options.get("compilation_cache_dir")) or "off")
     try:
         async_engine = metrics = None
         if args.data_parallel_size > 1:
@@ -139,7 +141,8 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
         else:
             engine = qnext.LLM(model, progress=logger.info, **engine_options).engine
             if not args.no_warm_up:
-                warm_up_unless_cached(engine, None if args.no_warm_up_cache_check else cache_dir)
+                cache_dir = None if args.no_warm_up_cache_check else engine.compilation_cache_dir
+                warm_up_unless_cached(engine, cache_dir, lambda: warm_up_with_progress(engine))
     except ValueError as e:                     # a bad option or checkpoint: say which, without a traceback
         logger.error("cannot serve %s: %s", model, e)
         return 2

@@ -36,6 +36,7 @@ def test_warm_up_then_mixed_workload_compiles_nothing(llm):
     start = compilations()
     before = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n) for n in (3, 9, 1, 17)])
     llm.generate(prompts[:2], SamplingParams(temperature=0.7, top_p=0.9, max_tokens=5, seed=1))
+    llm.generate(prompts[:3], SamplingParams(max_tokens=4, seed=2))     # the APIs' default: temperature 1, top_p 1
     assert compilations() == start, "the workload compiled after warm-up"
     # the same weights as host arrays: update_weights compiles its copy for them, then the steps compile nothing
     llm.engine.update_weights(jax.tree.map(np.asarray, llm.engine.runner.params))
