@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = {
     "qnext/model": ("qnext.engine", "qnext.flax", "qnext.server", "qnext.llm"),
     "qnext/engine": ("qnext.flax", "qnext.server", "qnext.llm"),
+    "qnext/testing": ("qnext.server", "qnext.engine", "qnext.llm"),
     "cache": ("qnext",),
     "pallas_kernels": ("qnext", "cache"),
 }

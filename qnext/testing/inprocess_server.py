@@ -9,14 +9,12 @@ from typing import Iterator
 
 import uvicorn
 
-from qnext.server.launch import free_port
-
 
 @contextlib.contextmanager
 def serve_in_thread(app, start_timeout: float = 60.0, stop_timeout: float = 30.0) -> Iterator[str]:
     """Serves `app` on 127.0.0.1 until the block exits; yields the base URL (http://127.0.0.1:PORT). Raises if the
     server does not start within start_timeout or does not stop within stop_timeout."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
