@@ -26,6 +26,7 @@ from cache.persisted_cache import save_prefix_cache
 from qnext.config import ModelConfig
 from qnext.engine.cache_setup import cache_sizes, make_cache, params_weights_digest, prefix_cache_fingerprint
 from qnext.engine.config import EngineConfig
+from qnext.engine.drafter import Drafter
 from qnext.engine.postprocess import request_output
 from qnext.engine.runner import ModelRunner
 from qnext.engine.scheduler import Scheduler
@@ -57,6 +58,7 @@ class LLMEngine:
         model = Path(model)
         if not (model / "config.json").is_file():
             raise ValueError(f"{model} is not a checkpoint directory: config.json is missing")
+        drafter = options.pop("drafter", Drafter)
         config = EngineConfig(**options)
         cfg = ModelConfig.from_pretrained(model)
         tokenizer = Tokenizer.from_pretrained(model) if (model / "tokenizer.json").is_file() else None
@@ -78,7 +80,7 @@ class LLMEngine:
         if config.prefix_cache_dir is not None and config.enable_prefix_caching:
             self._weights_digest = files_digest_memoized(checkpoint_files(model),
                                                          Path(config.prefix_cache_dir) / WEIGHTS_DIGEST_MEMO)
-        self._start(config, cfg, params, tokenizer, mtp)
+        self._start(config, cfg, params, tokenizer, mtp, drafter)
 
     @classmethod
     def from_params(cls, cfg: ModelConfig, params, tokenizer: Tokenizer | None = None, **options) -> "LLMEngine":
@@ -87,6 +89,7 @@ class LLMEngine:
         parallelism), which `update_weights` later overwrites in place."""
         engine = cls.__new__(cls)
         mtp = options.pop("mtp_params", None)
+        drafter = options.pop("drafter", Drafter)
         config = EngineConfig(**options)
         if config.num_speculative_tokens and mtp is None:
             raise ValueError("speculative_config needs the MTP head's params: pass mtp_params= (qnext/model/mtp.py)")
@@ -97,7 +100,7 @@ class LLMEngine:
             import jax
             import jax.numpy as jnp
             mtp = jax.tree.map(lambda x: jnp.asarray(x, as_dtype(config.dtype)), mtp)
-        engine._start(config, cfg, placed, tokenizer, mtp)
+        engine._start(config, cfg, placed, tokenizer, mtp, drafter)
         # updates arrive as the source's arrays (or, under tensor parallelism, re-placed like the engine's own)
         engine.runner.prepare_weight_updates(params if config.tensor_parallel_size == 1 else None)
         return engine
@@ -115,7 +118,10 @@ class LLMEngine:
         self.scheduler.clear_prefix_cache()
         self._weights_digest = None          # a persisted cache is bound to the new weights (digest at close)
 
-    def _start(self, config: EngineConfig, cfg: ModelConfig, params, tokenizer: Tokenizer | None, mtp=None) -> None:
+    def _start(self, config: EngineConfig, cfg: ModelConfig, params, tokenizer: Tokenizer | None, mtp=None,
+               drafter=Drafter) -> None:
+        """mtp: the MTP head's params when the engine speculates; drafter(cfg, mtp, config) makes the runner's
+        Drafter (engine option `drafter`: a subclass drafts otherwise, e.g. qnext/bench/oracle_drafts.py)."""
         cfg = cfg.with_backend()             # kernels and layouts chosen once, for every layer and step
         if cfg.backend == "gpu":             # Pallas Mosaic GPU or Triton, logged (pallas_kernels/backend_choice.py)
             from pallas_kernels.backend_choice import resolve_gpu_kernel_backend
@@ -128,13 +134,8 @@ class LLMEngine:
                               prefill_chunk=config.resolved_prefill_chunk(cfg.backend),
                               max_prefill_groups_extra=config.max_prefill_groups_extra)
         self.stats = EngineStats()
-        self.runner = ModelRunner(cfg, params, config, buckets, self.stats)
-        token_map = config.speculative_token_map
-        if mtp is not None and token_map is not None:   # drafts over the map's ids only (model/draft_vocab.py)
-            import jax.numpy as jnp
-            from qnext.model.draft_vocab import load_token_map
-            mtp = dict(mtp, draft_token_ids=jnp.asarray(load_token_map(token_map, cfg.vocab_size)))
-        self.runner.mtp = mtp
+        self.runner = ModelRunner(cfg, params, config, buckets, self.stats,
+                                  None if mtp is None else drafter(cfg, mtp, config))
         self.cache_sizes = cache_sizes(cfg, config, self.max_model_len, self.runner.activation_bytes)
         persisted = config.prefix_cache_dir is not None and config.enable_prefix_caching
         fingerprint = self._cache_fingerprint() if persisted else None
