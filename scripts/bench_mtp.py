@@ -9,9 +9,10 @@ speedup that acceptance length should give on this machine from the measured ste
 Prompts are random tokens drawn apart from train_mtp.py's (held out), or with --prompt-source corpus (the default
 for a trained-target `<preset>-lm` checkpoint of scripts/train_bench_target.py) windows of the text corpus's held-out
 files (qnext/bench/text_corpus.py), which neither the target nor the head trained on; the engines must emit the same
-tokens (greedy), which the bench checks. Each MTP engine runs twice: with its head's drafts, and with oracle drafts
-(the plain run's own next tokens: every draft agrees), the ceiling of what the step itself can give. With a draft
-token map (--token-map; train_mtp.py writes one) each k also runs with the head drafting over the map's ids only.
+tokens (greedy), which the bench checks. Each k runs twice: with its head's drafts, and on an engine whose drafter
+gives oracle drafts (the plain run's own next tokens: every draft agrees), the ceiling of what the step itself can
+give. With a draft token map (--token-map; train_mtp.py writes one) each k also runs with the head drafting over the
+map's ids only.
 Best of --repeats.
 
 Two throughputs per row: tokens/s over the whole run (prefill steps included), and decode tokens/s (vLLM's
@@ -96,18 +97,11 @@ def run(llm, groups: list[list[list[int]]], output_len: int) -> dict:
             "num_steps": {k: len(v) for k, v in steps.items()}}
 
 
-def best_of(llm, prompts, output_len: int, repeats: int, oracle=None) -> dict:
-    """The fastest of `repeats` runs, with the acceptance length over all of them; oracle: (continuations, k)."""
-    from qnext.bench.oracle_drafts import continuation_drafts, override_drafts
-
+def best_of(llm, prompts, output_len: int, repeats: int) -> dict:
+    """The fastest of `repeats` runs, with the acceptance length over all of them."""
     stats = llm.engine.stats
     rows, accepted = stats.num_spec_rows, stats.num_accepted_draft_tokens
-    restore = override_drafts(llm, continuation_drafts(*oracle)) if oracle else None
-    try:
-        runs = [run(llm, prompts, output_len) for _ in range(repeats)]
-    finally:
-        if restore:
-            restore()
+    runs = [run(llm, prompts, output_len) for _ in range(repeats)]
     best = max(runs, key=lambda r: r["tok_s"])
     best["decode_tok_s"] = max(r["decode_tok_s"] for r in runs)
     spec_rows = stats.num_spec_rows - rows
@@ -127,6 +121,7 @@ def held_out_prompts(corpus, cfg, batch: int, prompt_len: int, rng: np.random.Ge
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from qnext import LLM
+    from qnext.bench.oracle_drafts import continuation_drafts, oracle_drafter
     from qnext.bench.presets import bench_checkpoint, is_lm_checkpoint
     from qnext.bench.text_corpus import load_corpus
     from qnext.config import ModelConfig
@@ -142,8 +137,13 @@ def main(argv=None) -> dict:
                   enable_prefix_caching=False, max_model_len=args.prompt_len + args.output_len + 2 * max(ks) + 16,
                   dtype=args.dtype, kv_cache_memory_bytes=1 << 30)     # several engines share one device
     plain = LLM(path, **common)
-    spec = {(k, "head"): LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **common)
-            for k in ks}
+    continuations = {}                           # the plain run's tokens of each batch's prompts: oracle drafts
+    spec = {}
+    for k in ks:
+        config = {"method": "mtp", "num_speculative_tokens": k}
+        spec[(k, "head")] = LLM(path, speculative_config=config, **common)
+        spec[(k, "oracle")] = LLM(path, speculative_config=config, **common,
+                                  drafter=oracle_drafter(continuation_drafts(continuations, k)))
     token_map = resolve_token_map(args.token_map, path)
     if token_map is not None:
         size = len(np.load(token_map)) if token_map.endswith(".npy") else len(json.loads(Path(token_map).read_text()))
@@ -166,28 +166,26 @@ def main(argv=None) -> dict:
             run(llm, groups[:1], 4)
         base = best_of(plain, groups, args.output_len, args.repeats)
         t_decode = base["steps"]["decode"]
-        continuations = {tuple(p): t for p, t in zip(prompts, base["tokens"])}
-        for (k, engine_kind), llm in spec.items():
-            for drafts in ("head", "oracle") if engine_kind == "head" else (engine_kind,):
-                oracle = (continuations, k) if drafts == "oracle" else None
-                r = best_of(llm, groups, args.output_len, args.repeats, oracle)
-                a, t_spec = r["acceptance_length"], r["steps"]["spec"]
-                row = {"batch": b, "k": k, "drafts": drafts, "plain_tok_s": base["tok_s"], "mtp_tok_s": r["tok_s"],
-                       "speedup": r["tok_s"] / base["tok_s"], "plain_decode_tok_s": base["decode_tok_s"],
-                       "mtp_decode_tok_s": r["decode_tok_s"],
-                       "decode_speedup": r["decode_tok_s"] / base["decode_tok_s"],
-                       "acceptance_length": a,
-                       "t_decode_ms": t_decode * 1e3, "t_spec_ms": t_spec * 1e3 if t_spec else None,
-                       "expected_speedup": a * t_decode / t_spec if a and t_spec else None,
-                       "tokens_equal": r["tokens"] == base["tokens"], "steps": r["num_steps"]}
-                report["rows"].append(row)
-                spec_part = (f"acceptance length {a:.2f} | decode step {row['t_decode_ms']:.1f} ms, speculative step "
-                             f"{row['t_spec_ms']:.1f} ms -> expected {row['expected_speedup']:.2f}x" if a and t_spec
-                             else "no speculative step")
-                print(f"batch {b:>3} k={k} {drafts} drafts: plain {row['plain_tok_s']:7.1f} tok/s | MTP "
-                      f"{row['mtp_tok_s']:7.1f} tok/s | {row['speedup']:.2f}x "
-                      f"(decode only: {row['decode_speedup']:.2f}x)"
-                      f" | {spec_part} | tokens equal: {row['tokens_equal']}", flush=True)
+        continuations.update({tuple(p): t for p, t in zip(prompts, base["tokens"])})
+        for (k, drafts), llm in spec.items():
+            r = best_of(llm, groups, args.output_len, args.repeats)
+            a, t_spec = r["acceptance_length"], r["steps"]["spec"]
+            row = {"batch": b, "k": k, "drafts": drafts, "plain_tok_s": base["tok_s"], "mtp_tok_s": r["tok_s"],
+                   "speedup": r["tok_s"] / base["tok_s"], "plain_decode_tok_s": base["decode_tok_s"],
+                   "mtp_decode_tok_s": r["decode_tok_s"],
+                   "decode_speedup": r["decode_tok_s"] / base["decode_tok_s"],
+                   "acceptance_length": a,
+                   "t_decode_ms": t_decode * 1e3, "t_spec_ms": t_spec * 1e3 if t_spec else None,
+                   "expected_speedup": a * t_decode / t_spec if a and t_spec else None,
+                   "tokens_equal": r["tokens"] == base["tokens"], "steps": r["num_steps"]}
+            report["rows"].append(row)
+            spec_part = (f"acceptance length {a:.2f} | decode step {row['t_decode_ms']:.1f} ms, speculative step "
+                         f"{row['t_spec_ms']:.1f} ms -> expected {row['expected_speedup']:.2f}x" if a and t_spec
+                         else "no speculative step")
+            print(f"batch {b:>3} k={k} {drafts} drafts: plain {row['plain_tok_s']:7.1f} tok/s | MTP "
+                  f"{row['mtp_tok_s']:7.1f} tok/s | {row['speedup']:.2f}x "
+                  f"(decode only: {row['decode_speedup']:.2f}x)"
+                  f" | {spec_part} | tokens equal: {row['tokens_equal']}", flush=True)
     if args.json_out:
         args.json_out.write_text(json.dumps(report, indent=1))
     return report

@@ -1,33 +1,43 @@
-"""Drafts chosen from outside the MTP head, for measuring and testing speculative decoding: after every step, each
-running sequence that holds drafts gets `drafts_for(seq)` instead (the head still runs and writes its KV). With the
-target's own next tokens every draft agrees (the speedup's ceiling); with tokens that never agree, every one is
-rejected."""
+"""Drafts chosen from outside the MTP head, for measuring and testing speculative decoding: an engine made with
+`drafter=oracle_drafter(drafts_for)` gives each row that drafts `drafts_for(prompt, output)` after every step
+instead of the head's (output: its tokens once the step's are appended; the head still runs and writes its KV).
+With the target's own next tokens every draft agrees (the speedup's ceiling); with tokens that never agree, every
+one is rejected."""
 from __future__ import annotations
 
 from typing import Callable
 
-from qnext.engine.sequence import Sequence
+from qnext.engine.drafter import Drafter
+from qnext.engine.plan import StepPlan, StepResult
+
+DraftsFor = Callable[[list[int], list[int]], list[int]]
 
 
-def override_drafts(llm, drafts_for: Callable[[Sequence], list[int]]) -> Callable[[], None]:
-    """Installs the override on llm's engine; returns the function that removes it."""
-    scheduler = llm.engine.scheduler
-    postprocess = scheduler.postprocess
+class OracleDrafter(Drafter):
+    def __init__(self, cfg, mtp, config, drafts_for: DraftsFor):
+        super().__init__(cfg, mtp, config)
+        self.drafts_for = drafts_for
 
-    def overriding(plan, result):
-        updated, generated = postprocess(plan, result)
-        for seq in scheduler.running:
-            if seq.draft_token_ids:
-                seq.draft_token_ids = drafts_for(seq)
-        return updated, generated
+    def propose(self, plan: StepPlan, result: StepResult) -> dict[str, list[int]]:
+        drafts = {}
+        for i, it in enumerate(plan.items):
+            rid = it.seq.request_id
+            if rid not in result.drafts:
+                continue
+            new = [result.sampled[rid].token_id] if plan.multi is None else \
+                [int(t) for t in result.tokens[:int(result.ran[i]), i]]
+            drafts[rid] = self.drafts_for(it.seq.prompt_token_ids, it.seq.output_token_ids + new)
+        return drafts
 
-    scheduler.postprocess = overriding
-    return lambda: setattr(scheduler, "postprocess", postprocess)
+
+def oracle_drafter(drafts_for: DraftsFor) -> Callable[..., OracleDrafter]:
+    """The engine option `drafter` for an OracleDrafter with `drafts_for`."""
+    return lambda cfg, mtp, config: OracleDrafter(cfg, mtp, config, drafts_for)
 
 
-def continuation_drafts(continuations: dict[tuple, list[int]], k: int) -> Callable[[Sequence], list[int]]:
-    """The next k tokens of each prompt's known continuation (padded with 0 past its end)."""
-    def drafts_for(seq: Sequence) -> list[int]:
-        future = continuations[tuple(seq.prompt_token_ids)][len(seq.output_token_ids):][:k]
+def continuation_drafts(continuations: dict[tuple, list[int]], k: int) -> DraftsFor:
+    """The next k tokens of each prompt's known continuation (padded with 0 past its end or for an unknown prompt)."""
+    def drafts_for(prompt: list[int], output: list[int]) -> list[int]:
+        future = continuations.get(tuple(prompt), [])[len(output):][:k]
         return future + [0] * (k - len(future))
     return drafts_for

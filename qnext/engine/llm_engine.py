@@ -27,6 +27,7 @@ from qnext.config import ModelConfig
 from qnext.engine.cache_setup import cache_sizes, make_cache, params_weights_digest, prefix_cache_fingerprint
 from qnext.engine.compilation_cache import enable_compilation_cache
 from qnext.engine.config import EngineConfig
+from qnext.engine.drafter import Drafter
 from qnext.engine.postprocess import request_output
 from qnext.engine.runner import ModelRunner
 from qnext.engine.scheduler import Scheduler
@@ -58,6 +59,7 @@ class LLMEngine:
 
     def __init__(self, model: str | Path, *, progress: Callable[[str], Any] | None = None, **options):
         model = Path(model)
+        drafter = options.pop("drafter", Drafter)
         config = EngineConfig(**options)
         self.compilation_cache_dir = enable_compilation_cache(config.compilation_cache_dir)   # before any compile
         tokenizer = Tokenizer.from_pretrained(model) if (model / "tokenizer.json").is_file() else None
@@ -73,7 +75,7 @@ class LLMEngine:
         if config.prefix_cache_dir is not None and config.enable_prefix_caching:
             self._weights_digest = files_digest_memoized(checkpoint_files(model),
                                                          Path(config.prefix_cache_dir) / WEIGHTS_DIGEST_MEMO)
-        self._start(config, checkpoint.config, checkpoint.params, tokenizer, checkpoint.mtp)
+        self._start(config, checkpoint.config, checkpoint.params, tokenizer, checkpoint.mtp, drafter)
 
     @classmethod
     def from_params(cls, cfg: ModelConfig, params, tokenizer: Tokenizer | None = None, **options) -> "LLMEngine":
@@ -82,6 +84,7 @@ class LLMEngine:
         parallelism), which `update_weights` later overwrites in place."""
         engine = cls.__new__(cls)
         mtp = options.pop("mtp_params", None)
+        drafter = options.pop("drafter", Drafter)
         config = EngineConfig(**options)
         engine.compilation_cache_dir = enable_compilation_cache(config.compilation_cache_dir)  # before any compile
         if config.num_speculative_tokens and mtp is None:
@@ -89,7 +92,8 @@ class LLMEngine:
         cfg = parallel_config(cfg, config.tensor_parallel_size, config.enable_expert_parallel,
                               config.attention_tensor_parallel)
         placed = place_params(params, cfg, config.dtype, config.tensor_parallel_size)
-        engine._start(config, cfg, placed, tokenizer, None if mtp is None else place_mtp_params(mtp, config.dtype))
+        engine._start(config, cfg, placed, tokenizer, None if mtp is None else place_mtp_params(mtp, config.dtype),
+                      drafter)
         # updates arrive as the source's arrays (or, under tensor parallelism, re-placed like the engine's own)
         engine._weight_update.prepare(placed, params if config.tensor_parallel_size == 1 else None)
         return engine
@@ -105,7 +109,10 @@ class LLMEngine:
         self.scheduler.clear_prefix_cache()
         self._weights_digest = None          # a persisted cache is bound to the new weights (digest at close)
 
-    def _start(self, config: EngineConfig, cfg: ModelConfig, params, tokenizer: Tokenizer | None, mtp=None) -> None:
+    def _start(self, config: EngineConfig, cfg: ModelConfig, params, tokenizer: Tokenizer | None, mtp=None,
+               drafter=Drafter) -> None:
+        """mtp: the MTP head's params when the engine speculates; drafter(cfg, mtp, config) makes the runner's
+        Drafter (engine option `drafter`: a subclass drafts otherwise, e.g. qnext/bench/oracle_drafts.py)."""
         cfg = cfg.with_backend()             # kernels and layouts chosen once, for every layer and step
         if cfg.backend == "gpu":             # Pallas Mosaic GPU or Triton, logged (pallas_kernels/backend_choice.py)
             from pallas_kernels.backend_choice import resolve_gpu_kernel_backend
@@ -118,14 +125,9 @@ class LLMEngine:
                               prefill_chunk=config.resolved_prefill_chunk(cfg.backend),
                               max_prefill_groups_extra=config.max_prefill_groups_extra)
         self.stats = EngineStats()
-        self.runner = ModelRunner(cfg, params, config, buckets, self.stats)
+        self.runner = ModelRunner(cfg, params, config, buckets, self.stats,
+                                  None if mtp is None else drafter(cfg, mtp, config))
         self._weight_update = WeightUpdate(cfg, config.dtype, config.tensor_parallel_size)
-        token_map = config.speculative_token_map
-        if mtp is not None and token_map is not None:   # drafts over the map's ids only (model/draft_vocab.py)
-            import jax.numpy as jnp
-            from qnext.model.draft_vocab import load_token_map
-            mtp = dict(mtp, draft_token_ids=jnp.asarray(load_token_map(token_map, cfg.vocab_size)))
-        self.runner.mtp = mtp
         self.cache_sizes = cache_sizes(cfg, config, self.max_model_len, self.runner.activation_bytes)
         persisted = config.prefix_cache_dir is not None and config.enable_prefix_caching
         fingerprint = self._cache_fingerprint() if persisted else None

@@ -23,30 +23,17 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import struct
 
 from qnext.config import ModelConfig
+from qnext.engine.config import EngineConfig
+from qnext.engine.plan import ScheduledSequence
 from qnext.engine.sampler import SamplingTensors, sample
+from qnext.engine.window import WindowInputs
 from qnext.model.argmax import first_argmax
+from qnext.model.buckets import Bucket
 from qnext.model.forward import forward
-from qnext.model.step_inputs import StepInputs
+from qnext.model.step_inputs import StepInputs, build_step_inputs
 from qnext.model.tensor_parallel import local_config, shard_step
-
-
-@struct.dataclass
-class MultiStepInputs:
-    """Per-row plan of one multi-step call over a decode bucket of D rows, K steps."""
-
-    steps: jnp.ndarray          # [D] int32 tokens the row may run (0: padding row)
-    capture_row: jnp.ndarray    # [K, D] int32 snapshot row for the state after step k's token; 0 = none
-    stop_ids: jnp.ndarray       # [D, S] int32 token ids that end the row (-1: unused)
-
-    @classmethod
-    def idle(cls, num_steps: int, rows: int, stop_width: int = 4) -> "MultiStepInputs":
-        """A plan in which no row runs (host numpy arrays, filled in by the caller)."""
-        return cls(steps=np.zeros(rows, np.int32), capture_row=np.zeros((num_steps, rows), np.int32),
-                   stop_ids=np.full((rows, stop_width), -1, np.int32))
 
 
 def _step_inputs(first: StepInputs, k, tokens, running, capture_row, block_size: int) -> StepInputs:
@@ -67,13 +54,13 @@ def _step_inputs(first: StepInputs, k, tokens, running, capture_row, block_size:
 
 @functools.lru_cache(maxsize=None)
 def make_multi_step(cfg: ModelConfig, num_steps: int, block_size: int, tensor_parallel_size: int = 1):
-    """jit(params, buffers, inputs, plan, sampling) -> (tokens [K, D] int32, ran [D] int32 steps each row ran,
+    """jit(params, buffers, inputs, window, sampling) -> (tokens [D, K] int32, ran [D] int32 steps each row ran,
     buffers); sampling: the rows' SamplingTensors, or None when every row is greedy. Cache buffers are donated.
     With tensor_parallel_size > 1, each device runs its shard of the model and all of the rest (as make_engine_step)."""
     local = local_config(cfg, tensor_parallel_size)
 
-    def run(params, buffers, inputs: StepInputs, plan: MultiStepInputs, sampling: SamplingTensors | None):
-        d = plan.steps.shape[0]
+    def run(params, buffers, inputs: StepInputs, window: WindowInputs, sampling: SamplingTensors | None):
+        d = window.steps.shape[0]
 
         def pick(logits, k):
             if sampling is None:
@@ -82,21 +69,44 @@ def make_multi_step(cfg: ModelConfig, num_steps: int, block_size: int, tensor_pa
 
         def body(carry):
             k, running, tokens, out, ran, buffers = carry
-            step = _step_inputs(inputs, k, tokens, running, plan.capture_row[k], block_size)
+            step = _step_inputs(inputs, k, tokens, running, window.capture_row[:, k], block_size)
             logits, buffers = forward(params, buffers, step, local)
             picked = pick(logits, k)
-            stops = jnp.any(picked[:, None] == plan.stop_ids, axis=1)
-            out = out.at[k].set(jnp.where(running, picked, -1))
+            stops = jnp.any(picked[:, None] == window.stop_ids, axis=1)
+            out = out.at[:, k].set(jnp.where(running, picked, -1))
             ran = ran + running
-            running = running & ~stops & (k + 1 < plan.steps)
+            running = running & ~stops & (k + 1 < window.steps)
             return k + 1, running, picked, out, ran, buffers
 
         def more(carry):
             return (carry[0] < num_steps) & jnp.any(carry[1])
 
-        carry = (jnp.int32(0), plan.steps > 0, inputs.token_ids, jnp.full((num_steps, d), -1, jnp.int32),
+        carry = (jnp.int32(0), window.steps > 0, inputs.token_ids, jnp.full((d, num_steps), -1, jnp.int32),
                  jnp.zeros(d, jnp.int32), buffers)
         _, _, _, out, ran, buffers = jax.lax.while_loop(more, body, carry)
         return out, ran, buffers
 
     return jax.jit(shard_step(run, cfg, tensor_parallel_size, 2), donate_argnums=(1,))
+
+
+class MultiStep:
+    """The runner's window step for num_scheduler_steps > 1 (the drafter's speculative step is the other)."""
+
+    def __init__(self, cfg: ModelConfig, config: EngineConfig):
+        self.width = config.num_scheduler_steps
+        self.block_size = config.block_size
+        self._run = make_multi_step(cfg, config.num_scheduler_steps, config.block_size, config.tensor_parallel_size)
+
+    def layout(self, items: list[ScheduledSequence], bucket: Bucket, window: WindowInputs) -> StepInputs:
+        """Step 0's inputs: the decode bucket's layout of each item's one token."""
+        assert bucket.is_decode and bucket.sizes.num_decode == bucket.sizes.num_tokens, \
+            "a multi-step call needs a decode bucket"
+        return build_step_inputs([it.segment for it in items], bucket.sizes, block_size=self.block_size,
+                                 chunk=bucket.chunk)
+
+    def run(self, params, buffers, inputs: StepInputs, window: WindowInputs, sampling: SamplingTensors | None,
+            num_logprobs: int | None):
+        """-> (tokens [D, K], ran [D], buffers, no drafts, no logprobs): its rows ask for no logprobs."""
+        assert num_logprobs is None, "multi-step rows report no logprobs"
+        tokens, ran, buffers = self._run(params, buffers, inputs, window, sampling)
+        return tokens, ran, buffers, None, None

@@ -1,5 +1,7 @@
 """Model runner: lays a StepPlan out as StepInputs of its bucket, runs the jitted step with the plan's cache buffers
-donated, and samples on device. It holds the params and the compiled steps; it never sees the cache manager."""
+donated, and samples on device. Two paths: a single step, and a window step that gives each decoding row several
+tokens (multi_step.MultiStep, or the MTP drafter's speculative step: drafter.py, handed in by the engine). It holds
+the params and the compiled steps; it never sees the cache manager."""
 from __future__ import annotations
 
 import functools
@@ -12,13 +14,13 @@ import numpy as np
 from cache.device_buffers import CacheBuffers
 from qnext.config import ModelConfig
 from qnext.engine.config import EngineConfig
-from qnext.engine.multi_step import MultiStepInputs, make_multi_step
+from qnext.engine.drafter import Drafter
+from qnext.engine.multi_step import MultiStep
 from qnext.engine.plan import SampledToken, ScheduledSequence, StepPlan, StepResult
 from qnext.engine.sampler import sample
 from qnext.engine.sampling_inputs import SamplerInputBuilder, SamplingRow
-from qnext.engine.spec_step import ChainInputs, SpecInputs, make_mtp_catch_up, make_mtp_kv_catch_up, \
-    make_spec_step, verify_inputs, window_length
 from qnext.engine.stats import EngineStats
+from qnext.engine.window import WindowInputs, window_inputs
 from qnext.model.argmax import first_argmax
 from qnext.model.buckets import BucketTable
 from qnext.model.forward import forward, forward_with_hidden
@@ -89,27 +91,26 @@ def _num_sampler_rows(plan: StepPlan, num_drawing: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, params, config: EngineConfig, buckets: BucketTable, stats: EngineStats):
+    def __init__(self, cfg: ModelConfig, params, config: EngineConfig, buckets: BucketTable, stats: EngineStats,
+                 drafter: Drafter | None = None):
+        """drafter: the MTP head's (drafter.py) when the engine speculates."""
         self.cfg = cfg
         self.params = params
         self.config = config
         self.buckets = buckets
         self.stats = stats
-        self.num_speculative_tokens = k = config.num_speculative_tokens
-        self.mtp = None                  # the MTP head's params when the engine drafts (LLMEngine sets them)
-        self._step = make_engine_step(cfg, config.tensor_parallel_size, with_hidden=k > 0)
-        self._spec_step = make_spec_step(cfg, k, config.block_size) if k else None
-        self._catch_up = make_mtp_catch_up(cfg, k, config.block_size) if k else None
-        self._kv_catch_up = make_mtp_kv_catch_up(cfg) if k and config.speculative_max_rows is not None else None
-        self._multi_step = (make_multi_step(cfg, config.num_scheduler_steps, config.block_size,
-                                            config.tensor_parallel_size)
-                            if config.num_scheduler_steps > 1 else None)
+        self.drafter = drafter
+        self._step = make_engine_step(cfg, config.tensor_parallel_size, with_hidden=drafter is not None)
+        # several tokens a row in one call: the drafter's speculative step, or num_scheduler_steps decode steps
+        self._window = drafter if drafter is not None else \
+            MultiStep(cfg, config) if config.num_scheduler_steps > 1 else None
         self.sampler_inputs = SamplerInputBuilder(cfg.vocab_size, cfg.eos_token_ids, seed=config.seed)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        if plan.speculative:
-            return self._execute_speculative(plan)
-        return self._execute_multi(plan) if plan.multi is not None else self._execute_single(plan)
+        result = self._execute_single(plan) if plan.multi is None else self._execute_window(plan)
+        if self.drafter is not None and result.drafts:
+            result.drafts = self.drafter.propose(plan, result)
+        return result
 
     def _execute_single(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
@@ -117,7 +118,7 @@ class ModelRunner:
                                    block_size=self.config.block_size, chunk=plan.bucket.chunk)
         t1 = time.perf_counter()
         hidden = None
-        if self._catch_up is not None:
+        if self.drafter is not None:
             logits, greedy, hidden, buffers = self._step(self.params, plan.buffers, inputs)
         else:
             logits, greedy, buffers = self._step(self.params, plan.buffers, inputs)
@@ -127,72 +128,34 @@ class ModelRunner:
         result = StepResult(buffers, self._sample(plan, logits, greedy, bitmask))
         t3 = time.perf_counter()
         if hidden is not None:
-            result.buffers, result.drafts = self._draft_after(plan, inputs, hidden, result)
+            result.buffers, result.drafts = self.drafter.catch_up(self.params, plan, inputs, hidden, result)
         self.stats.add_phases(layout=t1 - t0, device=t2 - t1 + time.perf_counter() - t3, sample=t3 - t2,
                               model_steps=1)
         return result
 
-    def _draft_after(self, plan: StepPlan, inputs, hidden, result: StepResult):
-        """The MTP head's slots for the positions the step computed, and k drafts for each item that sampled
-        (spec_step.make_mtp_catch_up). Returns (buffers, {request_id: drafts}). A step with more rows than
-        disable_by_batch_size writes the head's KV only: its rows would not speculate next step either, and a row
-        without drafts gets them from the catch-up of its first step in a batch small enough."""
-        sizes = plan.bucket.sizes
-        next_ids = np.zeros(sizes.num_tokens, np.int32)
-        flat = 0
-        for it in plan.items:
-            n = len(it.segment.token_ids)
-            following = it.seq.token_slice(it.start + 1, it.end + 1)      # the prompt's, or nothing at the end
-            if it.samples:
-                following = following + [result.sampled[it.seq.request_id].token_id]
-            next_ids[flat:flat + n] = following[:n]
-            flat += n
-        if self.config.speculation_disabled_at(len(plan.items)):
-            return self._kv_catch_up(self.params, self.mtp, result.buffers, inputs, next_ids, hidden), {}
-        tables = np.zeros((sizes.num_logits, sizes.max_blocks), np.int32)
-        running = np.zeros(sizes.num_logits, bool)
-        for m, it in enumerate(plan.items):
-            tables[m, :len(it.segment.block_table)] = it.segment.block_table
-            running[m] = it.samples
-        drafts, buffers = self._catch_up(self.params, self.mtp, result.buffers, inputs, next_ids, hidden,
-                                         ChainInputs(block_table=tables, running=running))
-        drafts = np.asarray(drafts).tolist()
-        return buffers, {it.seq.request_id: drafts[m] for m, it in enumerate(plan.items) if it.samples}
-
-    def _execute_speculative(self, plan: StepPlan) -> StepResult:
-        """One verify pass over every row's window (spec_step.make_spec_step); item i keeps tokens[:ran[i], i]."""
+    def _execute_window(self, plan: StepPlan) -> StepResult:
+        """Several tokens for each decoding item in one call: a speculative step verifying the items' drafts, or
+        num_scheduler_steps decode steps (plan.multi: budgets, captures, stop ids). Item i keeps tokens[:ran[i], i]."""
         t0 = time.perf_counter()
-        k, multi, m = self.num_speculative_tokens, plan.multi, len(plan.items)
-        d, length = plan.bucket.sizes.num_decode, window_length(k, self.cfg.backend)
-        windows = [[it.segment.token_ids[0]] + list(drafts[:steps - 1])
-                   for it, drafts, steps in zip(plan.items, plan.drafts, multi.steps)]
-        inputs = verify_inputs(windows, [it.segment.read_row for it in plan.items],
-                               [it.segment.write_row for it in plan.items],
-                               [it.segment.block_table for it in plan.items], [it.start for it in plan.items],
-                               d, length, plan.bucket.sizes.max_blocks, self.config.block_size)
-        spec = SpecInputs.padding(d, k, _stop_id_width(multi.stop_ids))
-        spec.steps[:m] = multi.steps
-        spec.drafts[:m] = plan.drafts
-        for i, (rows, ids) in enumerate(zip(multi.captures, multi.stop_ids)):
-            for step, row in rows.items():
-                spec.capture_at[i], spec.capture_row[i] = step, row
-            spec.stop_ids[i, :len(ids)] = ids
+        d, m = plan.bucket.sizes.num_decode, len(plan.items)
+        window = window_inputs(plan.multi, plan.drafts, d, self._window.width)
+        inputs = self._window.layout(plan.items, plan.bucket, window)
         rows = _sampling_rows(plan.items)       # greedy rows with penalties need their tensors too
         sampling, num_logprobs = (None, None) if self.sampler_inputs.plain_greedy(rows) else \
             self.sampler_inputs.build(rows, d)
         t1 = time.perf_counter()
-        tokens, ran, drafts, buffers, logprobs = self._spec_step(self.params, self.mtp, plan.buffers, inputs,
-                                                                 spec, sampling, num_logprobs=num_logprobs)
-        tokens, ran, drafts = np.asarray(tokens)[:m].T, np.asarray(ran)[:m], np.asarray(drafts)[:m].tolist()
-        if logprobs is not None:                 # [D, k + 1, ...] -> [k + 1, items, ...], as tokens
+        tokens, ran, buffers, drafts, logprobs = self._window.run(self.params, plan.buffers, inputs, window, sampling,
+                                                                  num_logprobs)
+        tokens, ran = np.asarray(tokens)[:m].T, np.asarray(ran)[:m]
+        if logprobs is not None:                 # [D, W, ...] -> [W, items, ...], as tokens
             logprobs = jax.tree.map(lambda x: np.swapaxes(x[:m], 0, 1), jax.device_get(logprobs))
-        s = self.stats
-        s.num_spec_rows += m
-        s.num_draft_tokens += sum(steps - 1 for steps in multi.steps)
-        s.num_accepted_draft_tokens += int(ran.sum()) - m
-        self.stats.add_phases(layout=t1 - t0, device=time.perf_counter() - t1, model_steps=1)
-        return StepResult(buffers, tokens=tokens, ran=ran, logprobs=logprobs,
-                          drafts={it.seq.request_id: drafts[i] for i, it in enumerate(plan.items)})
+        result = StepResult(buffers, tokens=tokens, ran=ran, logprobs=logprobs)
+        if plan.speculative:
+            result.drafts = dict(zip([it.seq.request_id for it in plan.items], np.asarray(drafts)[:m].tolist()))
+            self.stats.add_speculative(rows=m, drafts=sum(plan.multi.steps) - m, accepted=int(ran.sum()) - m)
+        self.stats.add_phases(layout=t1 - t0, device=time.perf_counter() - t1,
+                              model_steps=1 if plan.speculative else int(ran.max(initial=0)))
+        return result
 
     def _token_bitmask(self, plan: StepPlan) -> np.ndarray | None:
         """The token bitmask of the step's drawing rows (row j: the j-th token drawn, _drawing's order): a grammar's
@@ -232,30 +195,6 @@ class ModelRunner:
         tensors = tensors._replace(token_bitmask=bitmask)
         result = jax.device_get(_sample_rows(logits, index, tensors, num_logprobs=num_logprobs))
         return {it.seq.request_id: SampledToken.from_output(result, j) for j, (_, it) in enumerate(sampling)}
-
-    def _execute_multi(self, plan: StepPlan) -> StepResult:
-        """Up to num_scheduler_steps decode steps in one call (multi_step.py); the items' block tables already
-        hold every token they may run. Item i's tokens are tokens[:ran[i], i]."""
-        t0 = time.perf_counter()
-        sizes, multi = plan.bucket.sizes, plan.multi
-        assert plan.bucket.is_decode and sizes.num_decode == sizes.num_tokens, "a multi-step call needs a decode bucket"
-        inputs = build_step_inputs([it.segment for it in plan.items], sizes, block_size=self.config.block_size,
-                                   chunk=plan.bucket.chunk)
-        d, m = sizes.num_decode, len(plan.items)
-        width = _stop_id_width(multi.stop_ids)
-        steps = MultiStepInputs.idle(self.config.num_scheduler_steps, d, width)
-        steps.steps[:m] = multi.steps
-        for i, (rows, ids) in enumerate(zip(multi.captures, multi.stop_ids)):
-            for step, row in rows.items():
-                steps.capture_row[step, i] = row
-            steps.stop_ids[i, :len(ids)] = ids
-        rows = _sampling_rows(plan.items)
-        sampling = None if all(r.params.greedy for r in rows) else self.sampler_inputs.build(rows, d)[0]
-        t1 = time.perf_counter()
-        tokens, ran, buffers = self._multi_step(self.params, plan.buffers, inputs, steps, sampling)
-        tokens, ran = np.asarray(tokens)[:, :m], np.asarray(ran)[:m]
-        self.stats.add_phases(layout=t1 - t0, device=time.perf_counter() - t1, model_steps=int(ran.max(initial=0)))
-        return StepResult(buffers, tokens=tokens, ran=ran)
 
     def free(self, request_id: str) -> None:
         self.sampler_inputs.free(request_id)
@@ -300,27 +239,16 @@ class ModelRunner:
                      big_cache - cache, extra, 100 / (1 + growth))
         return temp + extra
 
-    def _warm_up_speculative(self, bucket, inputs, hidden, buffers: CacheBuffers) -> CacheBuffers:
-        """Compiles the MTP catch-up for the bucket and, for a decode bucket, the speculative step (greedy and
-        sampled) over its rows, on idle inputs that write nothing but the dummy block."""
-        s, k = bucket.sizes, self.num_speculative_tokens
-        chain = ChainInputs(block_table=np.zeros((s.num_logits, s.max_blocks), np.int32),
-                            running=np.zeros(s.num_logits, bool))
-        _, buffers = self._catch_up(self.params, self.mtp, buffers, inputs, np.zeros(s.num_tokens, np.int32),
-                                    hidden, chain)
-        if self._kv_catch_up is not None and self.config.speculation_disabled_at(s.num_logits):
-            buffers = self._kv_catch_up(self.params, self.mtp, buffers, inputs, np.zeros(s.num_tokens, np.int32),
-                                        hidden)
-        if bucket.is_decode:
-            d = s.num_decode
-            verify = verify_inputs([], [], [], [], [], d, window_length(k, self.cfg.backend), s.max_blocks,
-                                   self.config.block_size)
-            _, _, _, buffers, _ = self._spec_step(self.params, self.mtp, buffers, verify, SpecInputs.padding(d, k),
-                                                  None)
-            tensors, _ = self.sampler_inputs.build([SamplingRow("warm-up", _WARM_UP_SAMPLING[1], [0], [], 0)], d)
-            self.sampler_inputs.free("warm-up")
-            _, _, _, buffers, _ = self._spec_step(self.params, self.mtp, buffers, verify, SpecInputs.padding(d, k),
-                                                  tensors)
+    def _warm_up_window(self, bucket, buffers: CacheBuffers) -> CacheBuffers:
+        """Compiles the window step over a decode bucket's rows, greedy and sampled, on padding rows that run
+        nothing and write nothing but the dummy block."""
+        d = bucket.sizes.num_decode
+        window = WindowInputs.padding(d, self._window.width)
+        inputs = self._window.layout([], bucket, window)
+        sampled, _ = self.sampler_inputs.build([SamplingRow("warm-up", _WARM_UP_SAMPLING[1], [0], [], 0)], d)
+        self.sampler_inputs.free("warm-up")
+        for sampling in (None, sampled):
+            buffers = self._window.run(self.params, buffers, inputs, window, sampling, None)[2]
         return buffers
 
     def warm_up(self, buffers: CacheBuffers, on_bucket=None) -> CacheBuffers:
@@ -336,18 +264,13 @@ class ModelRunner:
             if s.num_chunks:
                 segments.append(Segment([0] * 2, 0, [0], -1, 0))
             inputs = build_step_inputs(segments, s, block_size=self.config.block_size, chunk=bucket.chunk)
-            if self._catch_up is not None:
+            if self.drafter is not None:
                 logits, _, hidden, buffers = self._step(self.params, buffers, inputs)
-                buffers = self._warm_up_speculative(bucket, inputs, hidden, buffers)
+                buffers = self.drafter.warm_up(self.params, bucket, inputs, hidden, buffers)
             else:
                 logits, _, buffers = self._step(self.params, buffers, inputs)
-            if self._multi_step is not None and bucket.is_decode:     # decode buckets also run multi-step
-                idle = MultiStepInputs.idle(self.config.num_scheduler_steps, s.num_decode)
-                _, _, buffers = self._multi_step(self.params, buffers, inputs, idle, None)   # runs no step
-                tensors, _ = self.sampler_inputs.build([SamplingRow("warm-up", _WARM_UP_SAMPLING[1], [0], [], 0)],
-                                                       s.num_decode)
-                _, _, buffers = self._multi_step(self.params, buffers, inputs, idle, tensors)
-                self.sampler_inputs.free("warm-up")
+            if self._window is not None and bucket.is_decode:     # decode buckets also run windows
+                buffers = self._warm_up_window(bucket, buffers)
             for params in _WARM_UP_SAMPLING if s.num_logits not in sampler_rows else ():   # most requests' variants
                 tensors, k = self.sampler_inputs.build([SamplingRow("warm-up", params, [0], [], 0)], s.num_logits)
                 jax.block_until_ready(_sample_rows(logits, np.zeros(s.num_logits, np.int32), tensors, num_logprobs=k))
@@ -356,12 +279,3 @@ class ModelRunner:
             if on_bucket is not None:
                 on_bucket()
         return buffers
-
-
-def _stop_id_width(stop_ids: list[list[int]]) -> int:
-    """Columns of a call's stop-id table: a power of two from 4 (a few widths, each one compilation)."""
-    width = 4
-    while width < max(len(ids) for ids in stop_ids):
-        width *= 2
-    return width
-

@@ -27,6 +27,7 @@ from flax import struct
 from qnext.config import ModelConfig
 from qnext.engine.sampler import SamplingTensors, token_logprobs
 from qnext.engine.spec_decode import accept_rows
+from qnext.engine.window import WindowInputs
 from qnext.model.forward import decoder_stack, lm_logits
 from qnext.model.mtp_step import draft_chain, mtp_layer, replace_kv
 from qnext.model.norms import rms_norm
@@ -39,24 +40,6 @@ def window_length(num_speculative_tokens: int, backend: str) -> int:
     shapes); on CPU exactly k + 1 (padding rows would cost their matmul rows)."""
     k = num_speculative_tokens
     return k + 1 if backend == "cpu" else 1 << k.bit_length()
-
-
-@struct.dataclass
-class SpecInputs:
-    """Per row of a speculative step over D rows."""
-
-    steps: jnp.ndarray        # [D] int32 tokens the row may keep (its window's valid tokens; 0: padding row)
-    drafts: jnp.ndarray       # [D, k] int32 the row's drafts (the window's tokens 1..k)
-    capture_at: jnp.ndarray   # [D] int32 window position whose end state completes a block (-1: none)
-    capture_row: jnp.ndarray  # [D] int32 its snapshot row (0: none)
-    stop_ids: jnp.ndarray     # [D, S] int32 token ids that end the row (-1: unused)
-
-    @classmethod
-    def padding(cls, rows: int, num_speculative_tokens: int, stop_width: int = 4) -> "SpecInputs":
-        """Host arrays for `rows` padding rows (nothing kept, no capture, no stop ids), to fill in place."""
-        return cls(steps=np.zeros(rows, np.int32), drafts=np.zeros((rows, num_speculative_tokens), np.int32),
-                   capture_at=np.full(rows, -1, np.int32), capture_row=np.zeros(rows, np.int32),
-                   stop_ids=np.full((rows, stop_width), -1, np.int32))
 
 
 @struct.dataclass
@@ -99,27 +82,30 @@ def verify_inputs(windows, read_rows, write_rows, tables, starts, rows: int, len
 
 @functools.lru_cache(maxsize=None)
 def make_spec_step(cfg: ModelConfig, num_speculative_tokens: int, block_size: int):
-    """jit(params, mtp, buffers, inputs, spec, sampling, num_logprobs=None) -> (tokens [D, k + 1] int32, ran [D]
+    """jit(params, mtp, buffers, inputs, window, sampling, num_logprobs=None) -> (tokens [D, k + 1] int32, ran [D]
     int32 tokens each row keeps, next drafts [D, k] int32, buffers, logprobs); sampling: the rows' SamplingTensors,
     or None when every row needs no tensors (plain greedy); num_logprobs (static): `sample`'s K for the emitted
     tokens' logprobs, a SamplerOutput whose fields are [D, k + 1, ...] (the target's raw logits at each window
     position, as plain decoding reports them), or None for none. Cache buffers are donated."""
     k = num_speculative_tokens
 
-    def run(params, mtp, buffers, inputs: StepInputs, spec: SpecInputs, sampling: SamplingTensors | None,
+    def run(params, mtp, buffers, inputs: StepInputs, window: WindowInputs, sampling: SamplingTensors | None,
             num_logprobs: int | None = None):
         pre = inputs.prefill
         d, length = pre.token_index.shape
         x, pending = decoder_stack(params, buffers, inputs, cfg, linear_layer=verify_deltanet)
         hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)                 # [D * L, H]
-        window = hidden.reshape(d, length, -1)[:, :k + 1]
-        logits = lm_logits(params, window.reshape(d * (k + 1), -1), cfg).reshape(d, k + 1, -1)
-        acc = accept_rows(logits, spec.drafts, sampling)
-        stops = jnp.any(acc.tokens[:, :, None] == spec.stop_ids[:, None, :], axis=-1)   # [D, k + 1]
+        rows = hidden.reshape(d, length, -1)[:, :k + 1]
+        logits = lm_logits(params, rows.reshape(d * (k + 1), -1), cfg).reshape(d, k + 1, -1)
+        acc = accept_rows(logits, window.drafts, sampling)
+        stops = jnp.any(acc.tokens[:, :, None] == window.stop_ids[:, None, :], axis=-1)   # [D, k + 1]
         first_stop = jnp.min(jnp.where(stops, jnp.arange(k + 1)[None, :], k + 1), axis=1)
-        ran = jnp.minimum(jnp.minimum(acc.num_emitted, spec.steps), first_stop + 1)
+        ran = jnp.minimum(jnp.minimum(acc.num_emitted, window.steps), first_stop + 1)
         keep = ran - 1
-        buffers = commit_positions(pending, keep, pre.write_row, spec.capture_at, spec.capture_row)
+        captured = window.capture_row > 0              # at most one block boundary in a window of <= block_size
+        capture_at = jnp.where(jnp.any(captured, axis=1), jnp.argmax(captured, axis=1), -1)
+        capture_row = jnp.max(window.capture_row, axis=1)
+        buffers = commit_positions(pending, keep, pre.write_row, capture_at, capture_row)
 
         # the head over the window: slot j takes kept token j (later slots are provisional, overwritten later)
         next_ids = jnp.concatenate([acc.tokens, jnp.repeat(acc.tokens[:, -1:], length - k - 1, axis=1)], axis=1)

@@ -56,6 +56,12 @@ class EngineStats:
         self.sample_seconds += sample
         self.num_model_steps += model_steps
 
+    def add_speculative(self, *, rows: int, drafts: int, accepted: int) -> None:
+        """A speculative step: its rows, the drafts they verified and the drafts they kept."""
+        self.num_spec_rows += rows
+        self.num_draft_tokens += drafts
+        self.num_accepted_draft_tokens += accepted
+
     @property
     def num_compilations(self) -> int:
         """XLA compilations in this process since the engine started (warm-up included)."""

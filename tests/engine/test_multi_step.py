@@ -59,7 +59,7 @@ def test_multi_step_tokens_and_stops_match_single_steps(path):
         if event == "/jax/core/compile/backend_compile_duration":
             compiles.append(duration)
 
-    calls = count_calls(multi, "_execute_multi")
+    calls = count_calls(multi, "_execute_window")
     expected = finished(single.generate(prompts, params))
     steps_before = multi.engine.stats.num_steps
     jax.monitoring.register_event_duration_secs_listener(listener)

@@ -20,8 +20,9 @@ import pytest
 from cache.device_buffers import allocate_cache_buffers
 from qnext.bench.presets import PRESETS
 from qnext.config import ModelConfig
-from qnext.engine.multi_step import MultiStepInputs, make_multi_step
+from qnext.engine.multi_step import make_multi_step
 from qnext.engine.runner import make_engine_step
+from qnext.engine.window import WindowInputs
 from qnext.model.buckets import BucketTable
 from qnext.model.cache_buffers import cache_layout
 from qnext.model.step_inputs import Segment, build_step_inputs
@@ -51,7 +52,7 @@ def _lowered_step(kernels: str, multi_step: bool = False, dtype=jnp.bfloat16):
         bucket = table.decode[1]
         segments = [Segment([0], 0, [0], -1, 0)] * 2
         inputs = build_step_inputs(segments, bucket.sizes, block_size=BLOCK_SIZE, chunk=bucket.chunk)
-        traced = make_multi_step(cfg, 8, BLOCK_SIZE).trace(params, buffers, inputs, MultiStepInputs.idle(8, 2), None)
+        traced = make_multi_step(cfg, 8, BLOCK_SIZE).trace(params, buffers, inputs, WindowInputs.padding(2, 8), None)
     else:
         bucket = next(b for b in table.mixed if b.chunk == 64)
         segments = [Segment([0], 0, [0], -1, 0), Segment([0] * 2, 0, [0], -1, 0)]
@@ -154,8 +155,7 @@ def test_mtp_calls_update_every_cache_buffer_in_place_on_cuda(kernels, call):
     state goes to its row."""
     import numpy as np
 
-    from qnext.engine.spec_step import (ChainInputs, SpecInputs, make_mtp_catch_up, make_spec_step, verify_inputs,
-                                        window_length)
+    from qnext.engine.spec_step import ChainInputs, make_mtp_catch_up, make_spec_step, verify_inputs, window_length
     from qnext.model.mtp import init_mtp_params
 
     preset, dtype, k = PRESETS["small"], jnp.bfloat16, 2
@@ -168,10 +168,8 @@ def test_mtp_calls_update_every_cache_buffer_in_place_on_cuda(kernels, call):
     if call == "speculative_step":
         d, length = 2, window_length(k, "gpu")
         inputs = verify_inputs([], [], [], [], [], d, length, 8, BLOCK_SIZE)
-        spec = SpecInputs(steps=np.zeros(d, np.int32), drafts=np.zeros((d, k), np.int32),
-                          capture_at=np.full(d, -1, np.int32), capture_row=np.zeros(d, np.int32),
-                          stop_ids=np.full((d, 4), -1, np.int32))
-        traced = make_spec_step(cfg, k, BLOCK_SIZE).trace(params, mtp, buffers, inputs, spec, None)
+        traced = make_spec_step(cfg, k, BLOCK_SIZE).trace(params, mtp, buffers, inputs, WindowInputs.padding(d, k + 1),
+                                                          None)
     else:
         table = BucketTable(max_num_seqs=4, max_num_batched_tokens=128, max_blocks=8, prefill_chunk=64,
                             max_prefill_groups_extra=2)
