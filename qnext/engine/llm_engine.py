@@ -118,6 +118,7 @@ class LLMEngine:
             from pallas_kernels.backend_choice import resolve_gpu_kernel_backend
             cfg = dataclasses.replace(cfg, gpu_kernels=resolve_gpu_kernel_backend(config.gpu_kernel_backend))
         self.config, self.model_config, self.tokenizer = config, cfg, tokenizer
+        self._turn_start_id = None if tokenizer is None else tokenizer.token_to_id("<|im_start|>")
         self.max_model_len = config.resolved_max_model_len(cfg)
         mesh = make_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
         buckets = BucketTable(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -239,11 +240,17 @@ class LLMEngine:
         return seq
 
     def _turn_starts(self, token_ids: list[int]) -> tuple[int, ...]:
-        """Where the prompt's last two chat turns start (the cache captures state snapshots there)."""
-        start_id = None if self.tokenizer is None else self.tokenizer.token_to_id("<|im_start|>")
-        if start_id is None:
+        """Where the prompt's last two chat turns start (the cache captures state snapshots there); the scan stops
+        at the second `<|im_start|>` from the end."""
+        if self._turn_start_id is None:
             return ()
-        return tuple([i for i, t in enumerate(token_ids) if t == start_id][-2:])
+        starts = []
+        for i in range(len(token_ids) - 1, -1, -1):
+            if token_ids[i] == self._turn_start_id:
+                starts.append(i)
+                if len(starts) == 2:
+                    break
+        return tuple(reversed(starts))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Aborts every unfinished sample of the request; None if it is unknown or finished."""

@@ -54,13 +54,11 @@ class GrammarCompiler:
     """Compiles specs for one tokenizer and vocabulary; thread-safe (front ends may validate on their own
     threads). `num_compiled` counts compilations (cache misses)."""
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer | str, vocab_size: int, eos_token_ids: list[int],
+    def __init__(self, tokenizer: tokenizers.Tokenizer, vocab_size: int, eos_token_ids: list[int],
                  max_cached: int = 256):
-        """tokenizer: the HuggingFace `tokenizers` backend, or its tokenizer.json text."""
+        """tokenizer: the HuggingFace `tokenizers` backend."""
         if not eos_token_ids:
             raise ValueError("structured outputs need an eos token id (the grammar allows it once complete)")
-        if isinstance(tokenizer, str):
-            tokenizer = tokenizers.Tokenizer.from_str(tokenizer)
         self.vocab_size = vocab_size
         self.tokenizer = llguidance_tokenizer(tokenizer, vocab_size, list(eos_token_ids))
         # eos ids that are special tokens: a grammar allows one only where it is complete or where it names the

@@ -17,15 +17,15 @@ import llguidance
 import tokenizers
 
 
-def _byte_level_chars() -> dict[str, int]:
-    """Byte-level BPE's printable character -> byte (the inverse of GPT-2's bytes_to_unicode)."""
+def bytes_to_unicode() -> dict[int, str]:
+    """Byte-level BPE's map (GPT-2's): byte -> the printable character that stands for it in the vocabulary."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:
-            chars[chr(b)] = b
+            chars[b] = chr(b)
         else:
-            chars[chr(256 + extra)] = b
+            chars[b] = chr(256 + extra)
             extra += 1
     return chars
 
@@ -35,7 +35,7 @@ class _Tokens:
     that encodes text (used for the forced parts of a grammar)."""
 
     def __init__(self, backend: tokenizers.Tokenizer, vocab_size: int, eos_token_id: int):
-        byte_of = _byte_level_chars()
+        byte_of = {c: b for b, c in bytes_to_unicode().items()}
         added = backend.get_added_tokens_decoder()
         self.tokens: list[bytes] = []
         self.special_token_ids: list[int] = []

@@ -22,6 +22,8 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+from qnext.structured.llg_tokenizer import bytes_to_unicode
+
 # Qwen3.5's config.json pads the embedding to this many rows; ids past the tokenizer's 248,077 are never produced.
 QWEN35_VOCAB_SIZE = 248_320
 QWEN35_EOS_TOKEN_IDS = (248046, 248044)   # generation_config.json: <|im_end|>, <|endoftext|>
@@ -45,20 +47,6 @@ def _qwen35_parts() -> tuple[Path, str, tuple[tuple[int, str], ...]]:
     return ranks, qt.QWEN3_5_PAT_STR, tuple(qt.QWEN3_5_SPECIAL_TOKENS)
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map of byte-level BPE."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    chars = printable[:]
-    n = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + n)
-            n += 1
-    return dict(zip(printable, map(chr, chars)))
-
-
 def _load_ranks(path: Path) -> dict[bytes, int]:
     ranks = {}
     for line in path.read_bytes().splitlines():
@@ -72,7 +60,7 @@ def build_qwen35_tokenizer_json() -> str:
     """The tokenizer.json text of Qwen3.5's tokenizer (uncached; see `qwen35_tokenizer_json`)."""
     ranks_path, pattern, added = _qwen35_parts()
     ranks = _load_ranks(ranks_path)
-    byte_char = _bytes_to_unicode()
+    byte_char = bytes_to_unicode()
     as_text = lambda b: "".join(byte_char[x] for x in b)  # noqa: E731
     vocab = {as_text(token): rank for token, rank in ranks.items()}
     merges = []

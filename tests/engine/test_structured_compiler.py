@@ -16,7 +16,7 @@ VOCAB = 520          # the model's vocabulary may be larger than the tokenizer's
 
 @pytest.fixture(scope="module")
 def compiler():
-    return GrammarCompiler(build_tiny_tokenizer(512).to_str(), VOCAB, [tiny_eos_token_id()])
+    return GrammarCompiler(build_tiny_tokenizer(512), VOCAB, [tiny_eos_token_id()])
 
 
 @pytest.fixture(scope="module")
