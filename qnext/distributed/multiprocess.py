@@ -38,14 +38,19 @@ class DistributedConfig:
             raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
 
 
-def initialize(config: DistributedConfig, timeout_s: int = 300) -> None:
+def initialize(config: DistributedConfig, timeout_s: int = 300, serving: bool = False) -> None:
     """Joins this process to the others (a no-op for one process). Call before anything touches JAX's devices.
-    CPU devices use gloo collectives (JAX's default CPU collectives do not cross processes)."""
+    CPU devices use gloo collectives (JAX's default CPU collectives do not cross processes). `serving`: a rank that
+    dies makes the others' collectives raise instead of aborting every process (rank 0 keeps answering, 503), and
+    SIGTERM stays the server's (JAX's preemption notifier would take it over)."""
     if config.nnodes == 1:
         return
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if serving:
+        jax.config.update("jax_enable_recoverability", True)
+        jax.config.update("jax_enable_preemption_service", False)
     jax.distributed.initialize(coordinator_address=config.dist_init_addr, num_processes=config.nnodes,
                                process_id=config.node_rank, initialization_timeout=timeout_s)
 

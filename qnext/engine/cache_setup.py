@@ -50,8 +50,10 @@ class CacheSetup:
 
 
 def device_memory_stats() -> dict | None:
-    """The first device's memory_stats() (GPUs report bytes_limit and bytes_in_use; CPUs report None)."""
-    return engine_devices()[0].memory_stats()
+    """The first of this process's engine devices' memory_stats() (GPUs report bytes_limit and bytes_in_use; CPUs
+    report None). Over several processes the others' devices cannot be asked."""
+    local = [d for d in engine_devices() if d.process_index == jax.process_index()]
+    return local[0].memory_stats() if local else None
 
 
 def cache_sizes(cfg: ModelConfig, c: EngineConfig, max_model_len: int, activation_bytes=lambda: 0) -> CacheSizes:

@@ -19,12 +19,14 @@ from qnext.server.metrics import CONTENT_TYPE, ServerMetrics, cache_usage
 from qnext.server.serving import OpenAIServing
 
 
-def build_async_engine(engine, *, max_waiting_requests: int, model_name: str) -> tuple[AsyncEngine, ServerMetrics]:
-    """The engine loop and its metrics, wired together (the loop is started by the app's lifespan)."""
+def build_async_engine(engine, *, max_waiting_requests: int, model_name: str,
+                       **loop_options) -> tuple[AsyncEngine, ServerMetrics]:
+    """The engine loop and its metrics, wired together (the loop is started by the app's lifespan). loop_options:
+    AsyncEngine's idle_wake_s / fatal_errors."""
     holder: list[AsyncEngine] = []
     metrics = ServerMetrics(lambda: holder[0].snapshot(), model_name)
     async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests, observer=metrics,
-                               usage_of=cache_usage)
+                               usage_of=cache_usage, **loop_options)
     holder.append(async_engine)
     return async_engine, metrics
 

@@ -96,6 +96,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="engine replicas, each on its own tensor_parallel_size devices (qnext/server/data_parallel.py)")
     p.add_argument("--data-parallel-routing", default="cache_aware", choices=["cache_aware", "round_robin"],
                    help="with --data-parallel-size > 1: to the replica holding the longest cached prefix, or in turn")
+    from qnext.server.multinode import add_multinode_arguments
+
+    add_multinode_arguments(p)
 
 
 def add_access_arguments(p: argparse.ArgumentParser) -> None:
@@ -114,9 +117,10 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
     if args.data_parallel_size < 1:
         logger.error("--data-parallel-size must be a positive integer, got %d", args.data_parallel_size)
         return 2
-    request_host_devices((engine_options.get("tensor_parallel_size") or 1) * args.data_parallel_size)   # before JAX
-    import uvicorn
-
+    if args.nnodes > 1:                 # each rank brings tensor_parallel_size / nnodes devices
+        request_host_devices((engine_options.get("tensor_parallel_size") or args.nnodes) // args.nnodes)
+    else:
+        request_host_devices((engine_options.get("tensor_parallel_size") or 1) * args.data_parallel_size)  # before JAX
     import qnext
     from qnext.engine.llm_engine import freeze_startup_heap
     from qnext.server.app import build_app
@@ -130,6 +134,18 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
         logger.warning("no MODEL given: serving the built-in tiny demo checkpoint (random weights, gibberish text)")
         model, names = demo_checkpoint_dir(), names or [DEMO_MODEL_NAME]
     names = names or [str(args.model)]
+    if args.nnodes > 1:
+        from qnext.distributed.multiprocess import distributed_config
+        from qnext.server.multinode import follow, lead
+
+        try:
+            distributed_config(args)
+        except ValueError as e:
+            logger.error("%s", e)
+            return 2
+        if args.node_rank > 0:
+            return follow(model, engine_options, args)
+        return run_uvicorn(lead(model, engine_options, args, names), args)
     logger.info("loading %s with %s; compilation cache: %s", model, engine_options or "the engine's default options",
                 resolve_compilation_cache_dir(engine_options.get("compilation_cache_dir")) or "off")
     try:
@@ -151,6 +167,13 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                     api_key=args.api_key, max_request_bytes=args.max_request_bytes, async_engine=async_engine,
                     metrics=metrics)
+    return run_uvicorn(app, args)
+
+
+def run_uvicorn(app, args: argparse.Namespace) -> int:
+    """Serves `app` until SIGTERM / Ctrl-C (drained, exit 0); 1 if the server could not start."""
+    import uvicorn
+
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
     # uvicorn drains on SIGTERM / SIGINT, then re-raises the signal to the handler it found: make that one a no-op

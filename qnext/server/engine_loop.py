@@ -48,7 +48,12 @@ class AsyncEngine:
     on_finish(stream, output) calls from the engine thread; `usage_of(engine)` reads pool usage there."""
 
     def __init__(self, engine, *, max_waiting_requests: int, observer=None,
-                 usage_of: Callable[[Any], dict] | None = None):
+                 usage_of: Callable[[Any], dict] | None = None, idle_wake_s: float | None = None,
+                 fatal_errors: tuple[type[BaseException], ...] = ()):
+        """idle_wake_s: an idle loop still asks the engine whether it has work this often (an engine over several
+        processes keeps them in step while idle). fatal_errors: step errors that stop the loop (every live request
+        and every later one fails with EngineStoppedError carrying the error's message) instead of failing only the
+        running requests."""
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be at least 1, got {max_waiting_requests}")
         self.engine = engine
@@ -63,6 +68,8 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="qnext-engine", daemon=True)
         self._accepting = True                           # False once the engine thread is leaving (under _lock)
         self.fatal_error: BaseException | None = None
+        self._idle_wake_s = idle_wake_s
+        self._fatal_errors = fatal_errors
 
     # ---- any thread --------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -127,7 +134,8 @@ class AsyncEngine:
         except BaseException as e:               # a bug in the loop itself: fail everything, stop serving
             logger.exception("the engine loop died")
             self.fatal_error = e
-            self._fail(list(self._live), EngineStoppedError(f"the engine loop died: {e!r}"))
+            fatal = isinstance(e, self._fatal_errors) if self._fatal_errors else False
+            self._fail(list(self._live), EngineStoppedError(str(e) if fatal else f"the engine loop died: {e!r}"))
         finally:
             with self._lock:
                 self._accepting = False
@@ -145,7 +153,12 @@ class AsyncEngine:
 
     def _apply_commands(self, block: bool) -> bool:
         """Applies queued commands (waiting for one when idle); False once told to stop."""
-        commands = [self._commands.get()] if block else []
+        commands = []
+        if block:
+            try:
+                commands.append(self._commands.get(timeout=self._idle_wake_s))
+            except queue.Empty:
+                pass
         while True:
             try:
                 commands.append(self._commands.get_nowait())
@@ -192,6 +205,8 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except self._fatal_errors:
+            raise
         except Exception as e:
             logger.exception("engine step failed")
             self._fail(self._affected_by_failed_step(), EngineStepError(f"the engine step failed: {e!r}"))

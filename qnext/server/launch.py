@@ -80,3 +80,36 @@ def running_server(args: list[str], *, timeout: float, log_path: str | Path | No
         yield proc
     finally:
         proc.stop(timeout=30)
+
+
+def free_port_pair(host: str = "127.0.0.1", attempts: int = 50) -> int:
+    """A port P with P + 1 free as well (`--dist-init-addr HOST:P`: rank 0 also listens on P + 1)."""
+    for _ in range(attempts):
+        port = free_port(host)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"found no two free consecutive ports on {host}")
+
+
+@contextlib.contextmanager
+def running_ranks(args: list[str], nnodes: int, *, timeout: float, log_dir: str | Path,
+                  env: dict[str, str] | None = None, wait: bool = True) -> Iterator[list[ServerProcess]]:
+    """`qnext serve ARGS --nnodes N --node-rank R --dist-init-addr 127.0.0.1:P` for every rank on loopback; rank 0
+    healthy within `timeout` (unless not `wait`). Every rank is stopped however the block ends (rank 0 first: its
+    SIGTERM stops the others; any left after that are killed)."""
+    address = f"127.0.0.1:{free_port_pair()}"
+    procs: list[ServerProcess] = []
+    try:
+        for rank in range(nnodes):
+            procs.append(ServerProcess([*args, "--nnodes", str(nnodes), "--node-rank", str(rank), "--dist-init-addr",
+                                        address], log_path=Path(log_dir) / f"rank{rank}.log", env=env))
+        if wait:
+            procs[0].wait_healthy(timeout)
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop(timeout=30)

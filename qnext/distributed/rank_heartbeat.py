@@ -1,0 +1,147 @@
+"""Which ranks of a served engine are up, known to rank 0 within a bounded time.
+
+JAX's collectives say nothing until one is entered, and a rank that hangs (rather than exits) makes the others wait
+in it. So every follower also keeps a plain TCP connection to rank 0 (the coordinator's port + 1) and writes one
+byte a second on it. Rank 0's `RankMonitor` counts a rank up from its first byte; the rank is down when its
+connection closes (it exited) or when it has been silent for `timeout_s` (it hangs). Followers connect before they
+join `jax.distributed`, so rank 0 can say how many have arrived while it waits for the rest."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+
+logger = logging.getLogger("qnext.distributed")
+
+HEARTBEAT_INTERVAL_S = 1.0
+
+
+def heartbeat_address(dist_init_addr: str) -> tuple[str, int]:
+    """Rank 0's heartbeat listener: the coordinator's host, its port + 1."""
+    host, _, port = dist_init_addr.rpartition(":")
+    return host, int(port) + 1
+
+
+class RankMonitor:
+    """Rank 0: accepts the followers' heartbeat connections and keeps their state (thread-safe)."""
+
+    def __init__(self, nnodes: int, address: tuple[str, int], timeout_s: float):
+        self.nnodes, self.timeout_s = nnodes, timeout_s
+        self._up: set[int] = set()
+        self._down: dict[int, str] = {}          # rank -> why it is down
+        self._lock = threading.Lock()
+        self._closing = False
+        self._listener = socket.create_server(address, reuse_port=False)
+        threading.Thread(target=self._accept, name="qnext-rank-monitor", daemon=True).start()
+
+    @property
+    def ranks_up(self) -> int:
+        """Rank 0 and every follower that has written and not failed since."""
+        with self._lock:
+            return 1 + len(self._up)
+
+    def failure(self) -> str | None:
+        """Why the engine cannot run (the first rank that went down), or None."""
+        with self._lock:
+            if not self._down:
+                return None
+            rank, why = min(self._down.items())
+            return (f"rank {rank} of {self.nnodes} {why}; {self.nnodes - len(self._down)} of {self.nnodes} ranks are "
+                    f"up: restart every rank (qnext serve ... --nnodes {self.nnodes} --node-rank R)")
+
+    def missing(self) -> list[int]:
+        """Ranks that never connected."""
+        with self._lock:
+            return [r for r in range(1, self.nnodes) if r not in self._up and r not in self._down]
+
+    def wait_for_all(self, timeout_s: float) -> list[int]:
+        """Waits until every follower has connected (or one went down) -> the ranks still missing. Rank 0 joins
+        jax.distributed only after this: a join that times out aborts the process, which would end the 503s."""
+        deadline = time.monotonic() + timeout_s
+        while self.missing() and self.failure() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return self.missing()
+
+    def mark_down(self, rank: int, why: str) -> None:
+        with self._lock:
+            if self._closing or rank in self._down:
+                return
+            self._up.discard(rank)
+            self._down[rank] = why
+        logger.error("rank %d %s", rank, why)
+
+    def close(self) -> None:
+        """Stops watching (a shutdown: the followers' connections close as they exit)."""
+        with self._lock:
+            self._closing = True
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:              # closed
+                return
+            threading.Thread(target=self._watch, args=(conn,), name="qnext-rank-heartbeat", daemon=True).start()
+
+    def _watch(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(self.timeout_s)
+            try:
+                rank = int(conn.recv(8).split(b"\n")[0])
+            except (OSError, ValueError):
+                return
+            if not 0 < rank < self.nnodes:
+                logger.error("a heartbeat came from rank %d; this run has ranks 1..%d", rank, self.nnodes - 1)
+                return
+            with self._lock:
+                if rank not in self._down:
+                    self._up.add(rank)
+            while True:
+                try:
+                    data = conn.recv(64)
+                except socket.timeout:
+                    self.mark_down(rank, f"sent no heartbeat for {self.timeout_s:g} s (hung or cut off)")
+                    return
+                except OSError as e:
+                    self.mark_down(rank, f"lost its connection ({e})")
+                    return
+                if not data:
+                    self.mark_down(rank, "closed its connection (the process exited)")
+                    return
+
+
+class HeartbeatSender:
+    """A follower: connects to rank 0's monitor (retrying until `connect_timeout_s`) and writes a byte a second.
+    When rank 0 goes away this process has nothing left to follow: it exits (status 1) unless `stop()` was called."""
+
+    def __init__(self, address: tuple[str, int], rank: int, connect_timeout_s: float):
+        deadline = time.monotonic() + connect_timeout_s
+        while True:
+            try:
+                self._sock = socket.create_connection(address, timeout=5)
+                break
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank 0's heartbeat listener {address[0]}:{address[1]} did not answer within "
+                                       f"{connect_timeout_s:g} s ({e}): start rank 0 first, with the same "
+                                       f"--dist-init-addr") from None
+                time.sleep(0.2)
+        self._sock.sendall(f"{rank}\n".encode())
+        self._stopped = threading.Event()
+        threading.Thread(target=self._beat, name="qnext-heartbeat", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _beat(self) -> None:
+        while not self._stopped.wait(HEARTBEAT_INTERVAL_S):
+            try:
+                self._sock.sendall(b".")
+            except OSError:
+                if not self._stopped.is_set():
+                    logger.error("rank 0 went away; this follower exits")
+                    os._exit(1)
+                return

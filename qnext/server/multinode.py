@@ -1,0 +1,98 @@
+"""`qnext serve --nnodes N --node-rank R --dist-init-addr HOST:PORT`: one engine over N processes.
+
+Every rank loads the same model, tensor parallel over all ranks' devices (tensor_parallel_size defaults to that
+count), and warms up the same step shapes in the same order. Rank 0 serves HTTP (RankGate in front of the usual
+app) and drives the engine through ServedLockstepEngine; the other ranks follow its broadcasts until it shuts down.
+Each follower also heartbeats to rank 0 on PORT + 1 (rank_heartbeat.py), so a rank that exits or hangs turns into
+503s with the reason within --dist-timeout seconds (at once when it exits: the collectives fail), and a rank that
+never joins does the same once --dist-timeout has passed. SIGTERM on rank 0 drains, then stops every rank."""
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+
+from qnext.distributed.multiprocess import add_distributed_flags, distributed_config, initialize
+from qnext.distributed.rank_heartbeat import HeartbeatSender, RankMonitor, heartbeat_address
+from qnext.distributed.served_lockstep import RanksDownError, ServedLockstepEngine
+
+logger = logging.getLogger("qnext.server")
+
+KEEPALIVE_S = 0.5        # rank 0 exchanges with the followers at least this often while idle
+
+
+def add_multinode_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("several processes (SGLang's names; rank 0 also listens on the coordinator's PORT + 1 "
+                             "for the other ranks' heartbeats)")
+    add_distributed_flags(g)
+    g.add_argument("--dist-timeout", type=float, default=60.0,
+                   help="seconds for every rank to join, and the longest a rank may be silent before rank 0 "
+                        "answers 503")
+
+
+def build_lockstep_engine(model, engine_options: dict, args, monitor=None) -> ServedLockstepEngine:
+    """Joins the ranks, loads the model over every rank's devices and warms it up (the same on every rank)."""
+    import jax
+
+    import qnext
+    from qnext.server.startup import warm_up_with_progress
+
+    initialize(distributed_config(args), timeout_s=max(1, int(args.dist_timeout)), serving=True)
+    options = dict(engine_options)
+    options.setdefault("tensor_parallel_size", jax.device_count())
+    logger.info("rank %d of %d joined; %d devices in all; loading %s", args.node_rank, args.nnodes,
+                jax.device_count(), model)
+    engine = qnext.LLM(model, progress=logger.info, **options).engine
+    if not args.no_warm_up:
+        warm_up_with_progress(engine)
+    return ServedLockstepEngine(engine, monitor, keepalive_s=KEEPALIVE_S)
+
+
+def follow(model, engine_options: dict, args) -> int:
+    """A rank > 0: heartbeat to rank 0, join, load, then step as rank 0 says until it shuts down."""
+    sender = HeartbeatSender(heartbeat_address(args.dist_init_addr), args.node_rank,
+                             connect_timeout_s=args.dist_timeout)
+    try:
+        engine = build_lockstep_engine(model, engine_options, args)
+        steps = engine.follow()
+    except RanksDownError as e:
+        logger.error("rank %d stops: %s", args.node_rank, e)
+        return 1
+    finally:
+        sender.stop()
+    logger.info("rank %d: rank 0 shut down after %d steps", args.node_rank, steps)
+    return 0
+
+
+def lead(model, engine_options: dict, args, names: list[str]):
+    """Rank 0: the gate (serving 503s at once) and a thread that joins the ranks and opens it -> the ASGI app."""
+    from qnext.server.app import build_app, build_async_engine
+    from qnext.server.rank_gate import RankGate, RanksCollector
+
+    monitor = RankMonitor(args.nnodes, heartbeat_address(args.dist_init_addr), timeout_s=args.dist_timeout)
+    gate = RankGate(monitor, args.nnodes, shutdown_timeout=args.shutdown_timeout)
+
+    def start() -> None:
+        missing = monitor.wait_for_all(args.dist_timeout)
+        if missing or monitor.failure() is not None:
+            gate.fail(monitor.failure() or
+                      f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of {args.nnodes} did "
+                      f"not join within {args.dist_timeout:g} s (--dist-timeout): start every rank with the same "
+                      f"--nnodes and --dist-init-addr {args.dist_init_addr}, then restart rank 0")
+            return
+        try:
+            engine = build_lockstep_engine(model, engine_options, args, monitor)
+            async_engine, metrics = build_async_engine(engine, max_waiting_requests=args.max_waiting_requests,
+                                                       model_name=names[0], idle_wake_s=KEEPALIVE_S,
+                                                       fatal_errors=(RanksDownError,))
+            metrics.registry.register(RanksCollector(lambda: monitor.ranks_up, args.nnodes))
+            app = build_app(engine, model_name=names[0], aliases=names[1:], tool_call_parser=args.tool_call_parser,
+                            reasoning_parser=args.reasoning_parser, api_key=args.api_key,
+                            max_request_bytes=args.max_request_bytes, async_engine=async_engine, metrics=metrics)
+            gate.open(app, async_engine, engine)
+        except Exception as e:
+            logger.exception("the engine did not start")
+            gate.fail(f"the engine did not start: {e}")
+
+    threading.Thread(target=start, name="qnext-rank0-start", daemon=True).start()
+    return gate
