@@ -92,7 +92,8 @@ def build_app(engine, *, model_name: str, aliases: Sequence[str] = (), max_waiti
     async def health():
         snap = async_engine.snapshot()
         body = {"status": "ok" if async_engine.is_running else "engine stopped",
-                "num_requests_running": snap.num_running, "num_requests_waiting": snap.num_waiting}
+                "num_requests_running": snap.num_running, "num_requests_waiting": snap.num_waiting,
+                **(async_engine.health_details() if hasattr(async_engine, "health_details") else {})}
         return JSONResponse(body, status_code=200 if async_engine.is_running else 503)
 
     @app.get("/metrics")

@@ -96,6 +96,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="engine replicas, each on its own tensor_parallel_size devices (qnext/server/data_parallel.py)")
     p.add_argument("--data-parallel-routing", default="cache_aware", choices=["cache_aware", "round_robin"],
                    help="with --data-parallel-size > 1: to the replica holding the longest cached prefix, or in turn")
+    p.add_argument("--data-parallel-backend", default="process", choices=["process", "thread"],
+                   help="with --data-parallel-size > 1: each replica in a process of its own (its own devices and "
+                        "Python), or all as threads of the HTTP process")
     from qnext.server.multinode import add_multinode_arguments
 
     add_multinode_arguments(p)
@@ -119,7 +122,7 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
         return 2
     if args.nnodes > 1:                 # each rank brings tensor_parallel_size / nnodes devices
         request_host_devices((engine_options.get("tensor_parallel_size") or args.nnodes) // args.nnodes)
-    else:
+    elif args.data_parallel_size == 1 or args.data_parallel_backend == "thread":
         request_host_devices((engine_options.get("tensor_parallel_size") or 1) * args.data_parallel_size)  # before JAX
     import qnext
     from qnext.engine.llm_engine import freeze_startup_heap

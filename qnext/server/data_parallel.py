@@ -7,7 +7,9 @@ next chat turn's prefix), bounded by the replica's KV blocks (least recently use
 to the replica holding the longest run of its leading block hashes; with no match, or a tie, to the least loaded
 (running + waiting, from the snapshot each engine thread publishes). `round_robin` is there to compare against.
 A replica whose waiting queue is full passes the request to the next best one, so every request is answered
-while any replica has room. The router's table is what was sent, not what the replica kept: a replica may have
+while any replica has room. Replicas are threads of this process (`--data-parallel-backend thread`) or processes of
+their own (`process`, the default: replica_process.py; no replica's host work waits on another's GIL); a replica
+that is down is skipped, and the requests it held fail with a 503 that names it. The router's table is what was sent, not what the replica kept: a replica may have
 evicted a block since; it then recomputes it, as a single engine would.
 """
 from __future__ import annotations
@@ -20,10 +22,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 
 from cache.hashing import block_hashes
-from qnext.server.engine_loop import AsyncEngine, EngineSnapshot, QueueFullError
+from qnext.server.engine_loop import AsyncEngine, EngineSnapshot, EngineStoppedError, QueueFullError
 from qnext.server.metrics import ServerMetrics, cache_usage
 
 ROUTING = ("cache_aware", "round_robin")
+BACKENDS = ("process", "thread")
 
 
 class PrefixRouter:
@@ -105,8 +108,10 @@ class DataParallelEngine:
     """AsyncEngine's interface (add, abort, snapshot, start, stop, is_running, engine) over N replicas."""
 
     def __init__(self, engines: list, *, max_waiting_requests: int, model_name: str, routing: str = "cache_aware",
-                 devices: list | None = None):
-        """devices: each replica's jax.default_device (its first device), None: the default."""
+                 devices: list | None = None, replicas: list | None = None):
+        """devices: each replica's jax.default_device (its first device), None: the default. replicas: replicas
+        already running elsewhere (ProcessReplica, with AsyncEngine's interface) instead of a thread per engine;
+        `engines` then only describe them (block size, KV blocks, tokenizer)."""
         if not engines:
             raise ValueError("data parallelism needs at least one engine replica")
         first = engines[0]
@@ -119,9 +124,14 @@ class DataParallelEngine:
         for i, engine in enumerate(engines):
             holder: list[AsyncEngine] = []
             metrics = ServerMetrics(lambda h=holder: h[0].snapshot(), model_name, labels={"engine": str(i)})
-            replica = _ReplicaLoop(engine, devices[i] if devices else None, max_waiting_requests=max_waiting_requests,
-                                  observer=_ReplicaObserver(metrics, self.router, i, self._owner),
-                                  usage_of=cache_usage)
+            observer = _ReplicaObserver(metrics, self.router, i, self._owner)
+            if replicas is not None:
+                replica = replicas[i]
+                replica.observer = observer
+            else:
+                replica = _ReplicaLoop(engine, devices[i] if devices else None,
+                                       max_waiting_requests=max_waiting_requests, observer=observer,
+                                       usage_of=cache_usage)
             holder.append(replica)
             self.replicas.append(replica)
             self.metrics.append(metrics)
@@ -143,7 +153,14 @@ class DataParallelEngine:
 
     @property
     def is_running(self) -> bool:
-        return all(r.is_running for r in self.replicas)
+        """While any replica serves (a replica that is down is skipped by the router)."""
+        return any(r.is_running for r in self.replicas)
+
+    def health_details(self) -> dict:
+        """/health's per-replica lines."""
+        return {"replicas_up": sum(r.is_running for r in self.replicas),
+                "replicas": [{"index": i, "up": r.is_running, "pid": getattr(r, "pid", None)}
+                             for i, r in enumerate(self.replicas)]}
 
     def snapshot(self) -> EngineSnapshot:
         snaps = [r.snapshot() for r in self.replicas]
@@ -157,12 +174,16 @@ class DataParallelEngine:
 
     async def add(self, request_id: str, prompt: dict, params):
         token_ids = list(prompt["prompt_token_ids"])
-        error: QueueFullError | None = None
+        error: Exception | None = None
         for i in self.router.order(token_ids):
+            if not self.replicas[i].is_running:
+                error = error or EngineStoppedError(getattr(self.replicas[i], "down", None)
+                                                    or f"data parallel replica {i} is not running")
+                continue
             try:
                 stream = await self.replicas[i].add(request_id, prompt, params)
-            except QueueFullError as e:            # this replica is full: the next best one
-                error = e
+            except (QueueFullError, EngineStoppedError) as e:      # full or down: the next best one
+                error = e if error is None or isinstance(e, QueueFullError) else error
                 continue
             self._owner[request_id] = self.replicas[i]
             self.routed[i] += 1
@@ -210,10 +231,12 @@ def build_replicas(model, engine_options: dict, args, model_name: str):
     DataParallelEngine, its metrics), for build_app."""
     import logging
 
+    logger = logging.getLogger("qnext.server")
+    if getattr(args, "data_parallel_backend", "thread") == "process":
+        return _build_process_replicas(model, engine_options, args, model_name, logger)
     import jax
 
     import qnext
-    logger = logging.getLogger("qnext.server")
     tp = engine_options.get("tensor_parallel_size") or 1
     devices = jax.devices()
     if len(devices) < args.data_parallel_size * tp:
@@ -228,4 +251,30 @@ def build_replicas(model, engine_options: dict, args, model_name: str):
     dp = DataParallelEngine(engines, max_waiting_requests=args.max_waiting_requests, model_name=model_name,
                             routing=args.data_parallel_routing,
                             devices=[devices[i * tp] for i in range(args.data_parallel_size)])
+    return engines[0], dp, dp.server_metrics
+
+
+def _build_process_replicas(model, engine_options: dict, args, model_name: str, logger):
+    """A process per replica (replica_worker.py), each on its own devices (replica_process.replica_env); the
+    tokenizer is loaded here for the HTTP side."""
+    from pathlib import Path
+
+    from qnext.server.replica_process import ProcessReplica, facade
+    from qnext.tokenizer import Tokenizer
+
+    replicas = [ProcessReplica(i, model, engine_options, max_waiting_requests=args.max_waiting_requests,
+                               warm_up=not args.no_warm_up, log_level=args.log_level)
+                for i in range(args.data_parallel_size)]
+    try:
+        infos = [r.wait_ready(timeout=3600) for r in replicas]
+    except BaseException:
+        for r in replicas:
+            r.stop(timeout=5)
+        raise
+    for r, info in zip(replicas, infos):
+        logger.info("replica %d ready (pid %d)", r.index, info["pid"])
+    tokenizer = Tokenizer.from_pretrained(model) if (Path(model) / "tokenizer.json").is_file() else None
+    engines = [facade(info, tokenizer) for info in infos]
+    dp = DataParallelEngine(engines, max_waiting_requests=args.max_waiting_requests, model_name=model_name,
+                            routing=args.data_parallel_routing, replicas=replicas)
     return engines[0], dp, dp.server_metrics

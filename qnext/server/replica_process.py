@@ -1,0 +1,196 @@
+"""The HTTP process's handle on a data parallel replica that runs in its own process (replica_worker.py).
+
+`ProcessReplica` has AsyncEngine's interface (add, abort, snapshot, start, stop, is_running), so the router
+(data_parallel.py) treats thread and process replicas alike. A reader thread turns the replica's messages into the
+request streams' deltas and the metrics observer's calls (first token, finish: timed here, where the client waits).
+When the replica's process exits, its pipe closes: the replica is marked down, every request it held fails with
+ReplicaDownError (503, naming the replica and its exit code), and the router stops sending it requests."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import threading
+import time
+import types
+
+from qnext.server.engine_loop import EngineSnapshot, EngineStepError, EngineStoppedError, QueueFullError
+from qnext.server.request_stream import RequestStream
+
+logger = logging.getLogger("qnext.server")
+
+_ERRORS = {"QueueFullError": QueueFullError, "EngineStoppedError": EngineStoppedError,
+           "EngineStepError": EngineStepError, "ValueError": ValueError}
+
+
+class ReplicaDownError(EngineStoppedError):
+    """The replica's process exited; its requests failed and the others serve on."""
+
+
+def replica_env(index: int, devices_per_replica: int) -> dict:
+    """Replica `index`'s devices: on CPU its own `devices_per_replica` XLA host devices; on GPU the slice
+    [index * n, (index + 1) * n) of the GPUs this process may see (CUDA_VISIBLE_DEVICES)."""
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if not f.startswith("--xla_force_host_platform_device_count"))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(64)]
+    env = {"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices_per_replica}".strip(),
+           "CUDA_VISIBLE_DEVICES": ",".join(gpus[index * devices_per_replica:(index + 1) * devices_per_replica])}
+    return env
+
+
+class ProcessReplica:
+    def __init__(self, index: int, model: str, engine_options: dict, *, max_waiting_requests: int, warm_up: bool,
+                 log_level: str = "info"):
+        from qnext.server.replica_worker import run_replica
+
+        self.index, self.max_waiting_requests = index, max_waiting_requests
+        self.observer = None                       # set by the router (metrics + its prefix table)
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        env = replica_env(index, engine_options.get("tensor_parallel_size") or 1)
+        self.process = context.Process(target=run_replica, name=f"qnext-replica-{index}", daemon=True,
+                                       args=(child, index, str(model), engine_options, env, warm_up, log_level))
+        self.process.start()
+        child.close()
+        self.info: dict = {}
+        self.down: str | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._num_admitting = 0
+        self._snapshot = EngineSnapshot()
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read, name=f"qnext-replica-{index}-reader", daemon=True)
+
+    # ---- start and stop ------------------------------------------------------------------------------------------
+    def wait_ready(self, timeout: float) -> dict:
+        """Waits for the replica's engine (loaded, warmed up) -> what it reported (max_model_len, block_size, ...)."""
+        deadline = time.monotonic() + timeout
+        while not self._conn.poll(0.5):
+            if not self.process.is_alive():
+                raise ValueError(f"data parallel replica {self.index} exited with code {self.process.exitcode} "
+                                 "while loading (its log lines above say why)")
+            if time.monotonic() > deadline:
+                raise ValueError(f"data parallel replica {self.index} was not ready within {timeout:.0f} s")
+        kind, self.info = self._conn.recv()
+        assert kind == "ready", kind
+        return self.info
+
+    def start(self) -> None:
+        self._reader.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._send(("stop",))
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+    @property
+    def is_running(self) -> bool:
+        return self.down is None and self.process.is_alive()
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def snapshot(self) -> EngineSnapshot:
+        with self._lock:
+            snap = EngineSnapshot(**vars(self._snapshot))
+            snap.num_waiting += self._num_admitting
+        if self.down is not None:              # nothing runs or waits there any more
+            snap.num_running = snap.num_waiting = 0
+        return snap
+
+    # ---- the event loop ------------------------------------------------------------------------------------------
+    async def add(self, request_id: str, prompt: dict, params) -> RequestStream:
+        stream = RequestStream(request_id, asyncio.get_running_loop(), self.abort)
+        with self._lock:
+            if not self.is_running:
+                raise ReplicaDownError(self.down or f"data parallel replica {self.index} is not running")
+            waiting = self._snapshot.num_waiting + self._num_admitting
+            if waiting >= self.max_waiting_requests:
+                raise QueueFullError(f"{waiting} requests are already waiting (max_waiting_requests is "
+                                     f"{self.max_waiting_requests}); retry later")
+            self._num_admitting += 1
+            self._streams[request_id] = stream
+        self._send(("add", request_id, prompt, params))
+        try:
+            await stream.admitted
+        except BaseException:
+            stream.finished = True
+            self.abort(request_id)
+            raise
+        finally:
+            with self._lock:
+                self._num_admitting -= 1
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            try:
+                self._conn.send(message)
+            except (BrokenPipeError, OSError):
+                pass                      # the reader thread sees the pipe close and fails what is left
+
+    # ---- the reader thread ---------------------------------------------------------------------------------------
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                self._lost()
+                return
+            kind, rest = message[0], message[1:]
+            if kind == "snapshot":
+                with self._lock:
+                    self._snapshot = rest[0]
+                continue
+            stream = self._streams.get(rest[0])
+            if stream is None:
+                continue
+            if kind == "admitted":
+                stream.resolve_admission(None)
+            elif kind in ("rejected", "failed"):
+                self._streams.pop(rest[0], None)
+                error = _ERRORS.get(rest[1], EngineStepError)(rest[2])
+                stream.resolve_admission(error) if kind == "rejected" else stream.push(error)
+            elif kind == "delta":
+                self._deliver(stream, rest[1])
+
+    def _deliver(self, stream: RequestStream, delta) -> None:
+        if delta.token_ids and stream.first_token_time is None:
+            stream.first_token_time = time.perf_counter()
+            if self.observer is not None:
+                self.observer.on_first_token(stream)
+        if delta.final:
+            self._streams.pop(stream.request_id, None)
+            if self.observer is not None:
+                self.observer.on_finish(stream, delta.output)
+        stream.push(delta)
+
+    def _lost(self) -> None:
+        self.process.join(2)
+        self.down = (f"data parallel replica {self.index} (pid {self.process.pid}) exited with code "
+                     f"{self.process.exitcode}; the requests it held failed, the other replicas go on serving; "
+                     f"restart the server to bring it back")
+        logger.error("%s", self.down)
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        error = ReplicaDownError(self.down)
+        for stream in streams:
+            stream.resolve_admission(error)
+            stream.push(error)
+
+
+def facade(info: dict, tokenizer):
+    """What the HTTP side reads from `async_engine.engine` (Admission, the router), for a replica in another
+    process: the tokenizer (loaded here) and the replica's limits."""
+    return types.SimpleNamespace(tokenizer=tokenizer, max_model_len=info["max_model_len"],
+                                 model_config=types.SimpleNamespace(vocab_size=info["vocab_size"]),
+                                 config=types.SimpleNamespace(block_size=info["block_size"]),
+                                 cache_sizes=types.SimpleNamespace(num_blocks=info["num_blocks"]))

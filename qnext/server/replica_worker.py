@@ -1,0 +1,103 @@
+"""A data parallel replica's own process (`qnext serve --data-parallel-size N`, the process backend): one engine on
+its own devices, driven by the usual AsyncEngine, talking to the HTTP process over a pipe.
+
+Messages in (pickled tuples): ("add", request_id, prompt, params), ("abort", request_id), ("stop",).
+Messages out: ("ready", info), ("admitted", request_id), ("rejected", request_id, kind, message),
+("delta", request_id, StreamDelta), ("failed", request_id, kind, message), ("snapshot", EngineSnapshot).
+`kind` names the engine-loop error class (QueueFullError, EngineStoppedError, EngineStepError, ValueError), so the
+HTTP process raises the same error and answers the same status as with the engine in-process."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+
+SNAPSHOT_EVERY_S = 0.2
+
+
+def run_replica(conn, index: int, model: str, engine_options: dict, env: dict, warm_up: bool,
+                log_level: str) -> None:
+    """The process's target. `env` (device selection: XLA_FLAGS, CUDA_VISIBLE_DEVICES) is applied before JAX starts."""
+    os.environ.update(env)
+    logging.basicConfig(level=log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s replica {index} %(name)s: %(message)s")
+    try:
+        asyncio.run(_serve(conn, model, engine_options, warm_up))
+    except (EOFError, OSError):           # the HTTP process went away: nothing left to serve
+        pass
+
+
+async def _serve(conn, model: str, engine_options: dict, warm_up: bool) -> None:
+    import qnext
+    from qnext.server.engine_loop import AsyncEngine
+    from qnext.server.metrics import cache_usage
+    from qnext.server.startup import warm_up_with_progress
+
+    logger = logging.getLogger("qnext.server")
+    engine = qnext.LLM(model, progress=logger.info, **engine_options).engine
+    if warm_up:
+        warm_up_with_progress(engine)
+    # the HTTP process bounds the waiting requests (it sees every replica); here any number may wait
+    async_engine = AsyncEngine(engine, max_waiting_requests=1 << 30, usage_of=cache_usage)
+    async_engine.start()
+    conn.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.model_config.vocab_size,
+                         "block_size": engine.config.block_size, "num_blocks": engine.cache_sizes.num_blocks,
+                         "pid": os.getpid()}))
+    loop = asyncio.get_running_loop()
+    inbox: asyncio.Queue = asyncio.Queue()
+
+    def read() -> None:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                message = ("stop",)
+            loop.call_soon_threadsafe(inbox.put_nowait, message)
+            if message[0] == "stop":
+                return
+
+    threading.Thread(target=read, name="qnext-replica-inbox", daemon=True).start()
+    snapshots = asyncio.create_task(_send_snapshots(conn, async_engine))
+    tasks: set[asyncio.Task] = set()
+    while True:
+        message = await inbox.get()
+        if message[0] == "add":
+            task = asyncio.create_task(_run_request(conn, async_engine, *message[1:]))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        elif message[0] == "abort":
+            async_engine.abort(message[1])
+        elif message[0] == "stop":
+            break
+    snapshots.cancel()
+    await asyncio.to_thread(async_engine.stop)
+
+
+async def _run_request(conn, async_engine, request_id: str, prompt: dict, params) -> None:
+    from qnext.server.engine_loop import EngineStepError, EngineStoppedError, QueueFullError
+
+    try:
+        stream = await async_engine.add(request_id, prompt, params)
+    except (QueueFullError, EngineStoppedError, EngineStepError, ValueError) as e:
+        _send(conn, ("rejected", request_id, type(e).__name__, str(e)))
+        return
+    _send(conn, ("admitted", request_id))
+    try:
+        async for delta in stream:
+            _send(conn, ("delta", request_id, delta))
+    except (EngineStepError, EngineStoppedError) as e:
+        _send(conn, ("failed", request_id, type(e).__name__, str(e)))
+
+
+async def _send_snapshots(conn, async_engine) -> None:
+    while True:
+        _send(conn, ("snapshot", async_engine.snapshot()))
+        await asyncio.sleep(SNAPSHOT_EVERY_S)
+
+
+def _send(conn, message: tuple) -> None:
+    try:
+        conn.send(message)
+    except (BrokenPipeError, OSError):      # the HTTP process is gone; the reader thread stops the loop
+        pass
