@@ -78,7 +78,7 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self._accepting
+        return self._thread.is_alive() and self._accepting and self.fatal_error is None
 
     def snapshot(self) -> EngineSnapshot:
         with self._lock:
@@ -88,6 +88,15 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    def abandon(self, error: EngineStoppedError) -> None:
+        """From another thread, when the engine thread is stuck in a step that will not return (a rank of the engine
+        hangs): every live request gets `error`, and no new one is taken. The engine thread is left where it is."""
+        with self._lock:
+            self._accepting = False
+        self.fatal_error = error
+        for stream in list(self._live.values()):
+            stream.push(error)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Aborts what is still live, joins the engine thread, then closes the engine (which writes the prefix

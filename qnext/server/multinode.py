@@ -64,6 +64,21 @@ def follow(model, engine_options: dict, args) -> int:
     return 0
 
 
+def watch_ranks(monitor, async_engine, every_s: float = 0.5) -> None:
+    """Rank 0: once a rank is down, the requests in flight fail at once, even when the engine thread is stuck in a
+    collective that waits for that rank (a hung rank; an exited one makes the collective raise anyway)."""
+    import time
+
+    from qnext.server.engine_loop import EngineStoppedError
+
+    while async_engine.is_running:
+        why = monitor.failure()
+        if why is not None:
+            async_engine.abandon(EngineStoppedError(f"the engine lost a rank: {why}"))
+            return
+        time.sleep(every_s)
+
+
 def lead(model, engine_options: dict, args, names: list[str]):
     """Rank 0: the gate (serving 503s at once) and a thread that joins the ranks and opens it -> the ASGI app."""
     from qnext.server.app import build_app, build_async_engine
@@ -90,6 +105,8 @@ def lead(model, engine_options: dict, args, names: list[str]):
                             reasoning_parser=args.reasoning_parser, api_key=args.api_key,
                             max_request_bytes=args.max_request_bytes, async_engine=async_engine, metrics=metrics)
             gate.open(app, async_engine, engine)
+            threading.Thread(target=watch_ranks, args=(monitor, async_engine), name="qnext-rank-watch",
+                             daemon=True).start()
         except Exception as e:
             logger.exception("the engine did not start")
             gate.fail(f"the engine did not start: {e}")
