@@ -148,7 +148,13 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
             return 2
         if args.node_rank > 0:
             return follow(model, engine_options, args)
-        return run_uvicorn(lead(model, engine_options, args, names), args)
+        gate = lead(model, engine_options, args, names)
+        code = run_uvicorn(gate, args)
+        if gate.lost_rank:          # the engine thread may sit in a collective for ever: leave without it
+            logger.warning("rank 0 exits without waiting for the engine, which lost a rank")
+            logging.shutdown()
+            os._exit(code)
+        return code
     logger.info("loading %s with %s; compilation cache: %s", model, engine_options or "the engine's default options",
                 resolve_compilation_cache_dir(engine_options.get("compilation_cache_dir")) or "off")
     try:

@@ -55,6 +55,10 @@ class RankGate:
         logger.error("cannot serve: %s", why)
 
     # ---- state ---------------------------------------------------------------------------------------------------
+    @property
+    def lost_rank(self) -> bool:
+        return self.monitor.failure() is not None or (self.engine is not None and self.engine.failure is not None)
+
     def problem(self) -> str | None:
         """Why requests cannot be served now, or None."""
         if self.start_error is not None:
@@ -108,8 +112,9 @@ class RankGate:
             if message["type"] == "lifespan.startup":
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                if self.async_engine is not None:
-                    self.async_engine.stop(self.shutdown_timeout)     # rank 0's close stops the other ranks
+                if self.async_engine is not None:      # rank 0's close stops the other ranks
+                    # with a rank lost, the engine thread may be stuck in a collective: do not wait for it long
+                    self.async_engine.stop(1.0 if self.lost_rank else self.shutdown_timeout)
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 

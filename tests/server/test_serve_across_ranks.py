@@ -3,11 +3,12 @@ one engine tensor parallel over the four, rank 0 serving HTTP.
 
 - /health and /metrics count the ranks; chat, streamed chat and a forced tool call through the openai client equal
   one process serving the same checkpoint (greedy, the real Qwen3.5 tokenizer);
-- SIGTERM on rank 0 stops both ranks (exit 0);
-- a rank that never joins: 503 with the reason once --dist-timeout has passed, no hang;
 - the follower killed mid-request: the running request and every later one get 503 naming the lost rank within
-  BOUND_S seconds.
-Processes: one pair for the module, one more pair for the kill, one lone rank 0; all bounded and always stopped."""
+  BOUND_S seconds, and /health and /metrics count one rank up;
+- a rank that never joins: 503 with the reason once --dist-timeout has passed, no hang;
+- SIGTERM on rank 0 stops both ranks (exit 0).
+Processes: one pair for the module (the kill ends it), one lone rank 0, one idle pair for SIGTERM; every wait is
+bounded and every process stopped however a test ends. Prefix caching is off: fewer step shapes to compile."""
 from __future__ import annotations
 
 import json
@@ -22,7 +23,8 @@ from qnext.server.launch import running_ranks, ServerProcess, free_port_pair
 from qnext.testing.tiny_checkpoint import write_tiny_checkpoint
 
 MODEL = "tiny"
-OPTIONS = ["--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--block-size", "16"]
+OPTIONS = ["--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--block-size", "16",
+           "--no-enable-prefix-caching"]
 ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
 START_S = 300          # load + first start of two processes on a shared 2-core machine
 BOUND_S = 10           # a lost rank turns into 503s within this
@@ -58,7 +60,8 @@ def one_process(checkpoint):
     from qnext.server.app import build_app
     from qnext.testing.inprocess_server import serve_in_thread
 
-    llm = qnext.LLM(str(checkpoint), max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64, block_size=16)
+    llm = qnext.LLM(str(checkpoint), max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64, block_size=16,
+                    enable_prefix_caching=False)
     with serve_in_thread(build_app(llm.engine, model_name=MODEL)) as base_url:
         yield base_url
 
@@ -94,12 +97,6 @@ def test_chat_streaming_and_tools_equal_one_process(ranks, one_process):
     assert expected["streamed"] == expected["chat"]
 
 
-def test_sigterm_on_rank0_stops_every_rank(ranks):
-    ranks[0].terminate()
-    for proc in ranks:
-        assert proc.proc.wait(timeout=60) == 0, proc.log_tail()
-
-
 def test_a_rank_that_never_joins_gives_503_with_the_reason(checkpoint, tmp_path):
     address = f"127.0.0.1:{free_port_pair()}"
     rank0 = ServerProcess(serve_args(checkpoint, "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", address,
@@ -114,29 +111,38 @@ def test_a_rank_that_never_joins_gives_503_with_the_reason(checkpoint, tmp_path)
         assert rank0.stop(timeout=30) == 0, rank0.log_tail()
 
 
-def test_a_follower_killed_mid_request_gives_503s_within_the_bound(checkpoint, tmp_path):
-    with running_ranks(serve_args(checkpoint), 2, timeout=START_S, log_dir=tmp_path, env=ENV) as (rank0, rank1):
-        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "temperature": 0, **GREEDY}
-        result: dict = {}
+def test_a_follower_killed_mid_request_gives_503s_within_the_bound(ranks):
+    rank0, rank1 = ranks
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 400, "temperature": 0, **GREEDY}
+    result: dict = {}
 
-        def long_request():
-            result["response"] = httpx.post(rank0.base_url + "/v1/chat/completions", json=body, timeout=120)
-            result["at"] = time.monotonic()
+    def long_request():
+        result["response"] = httpx.post(rank0.base_url + "/v1/chat/completions", json=body, timeout=120)
+        result["at"] = time.monotonic()
 
-        thread = threading.Thread(target=long_request)
-        thread.start()
-        wait_until_running(rank0.base_url, timeout=120)
-        rank1.proc.kill()
-        killed = time.monotonic()
-        thread.join(timeout=BOUND_S + 5)
-        assert not thread.is_alive(), "the running request hung after its follower died"
-        assert result["response"].status_code == 503 and result["at"] - killed < BOUND_S
-        assert "rank" in result["response"].json()["error"]["message"]
-        late = httpx.post(rank0.base_url + "/v1/chat/completions", json={**body, "max_tokens": 4}, timeout=BOUND_S)
-        assert late.status_code == 503 and "rank 1 of 2" in late.json()["error"]["message"]
-        health = httpx.get(rank0.base_url + "/health", timeout=BOUND_S)
-        assert health.status_code == 503 and health.json()["ranks_up"] == 1
-        assert rank0.stop(timeout=30) == 0, rank0.log_tail()
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    wait_until_running(rank0.base_url, timeout=120)
+    rank1.proc.kill()
+    killed = time.monotonic()
+    thread.join(timeout=BOUND_S + 5)
+    assert not thread.is_alive(), "the running request hung after its follower died"
+    assert result["response"].status_code == 503 and result["at"] - killed < BOUND_S
+    assert "rank 1 of 2" in result["response"].json()["error"]["message"]
+    late = httpx.post(rank0.base_url + "/v1/chat/completions", json={**body, "max_tokens": 4}, timeout=BOUND_S)
+    assert late.status_code == 503 and "rank 1 of 2" in late.json()["error"]["message"]
+    health = httpx.get(rank0.base_url + "/health", timeout=BOUND_S)
+    assert health.status_code == 503 and health.json()["ranks_up"] == 1
+    metrics = httpx.get(rank0.base_url + "/metrics", timeout=BOUND_S).text
+    assert "qnext:ranks_up 1.0" in metrics
+    assert rank0.stop(timeout=30) == 0, rank0.log_tail()
+
+
+def test_sigterm_on_rank0_stops_every_rank(checkpoint, tmp_path):
+    with running_ranks(serve_args(checkpoint), 2, timeout=START_S, log_dir=tmp_path, env=ENV) as procs:
+        procs[0].terminate()
+        for proc in procs:
+            assert proc.proc.wait(timeout=60) == 0, proc.log_tail()
 
 
 def wait_for_503(base_url: str, words: str, timeout: float) -> dict:
