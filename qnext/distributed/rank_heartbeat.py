@@ -33,6 +33,7 @@ class RankMonitor:
         self._down: dict[int, str] = {}          # rank -> why it is down
         self._lock = threading.Lock()
         self._closing = False
+        self._num_connected = 0                  # heartbeat connections still open
         self._listener = socket.create_server(address, reuse_port=False)
         threading.Thread(target=self._accept, name="qnext-rank-monitor", daemon=True).start()
 
@@ -72,10 +73,17 @@ class RankMonitor:
             self._down[rank] = why
         logger.error("rank %d %s", rank, why)
 
-    def close(self) -> None:
-        """Stops watching (a shutdown: the followers' connections close as they exit)."""
+    def close(self, wait_s: float = 0.0) -> None:
+        """Stops watching (a shutdown), after waiting up to `wait_s` for the followers to exit (their connections
+        to close): a follower leaving jax.distributed needs rank 0's coordination service still up."""
         with self._lock:
             self._closing = True
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._num_connected == 0:
+                    break
+            time.sleep(0.05)
         self._listener.close()
 
     def _accept(self) -> None:
@@ -87,6 +95,15 @@ class RankMonitor:
             threading.Thread(target=self._watch, args=(conn,), name="qnext-rank-heartbeat", daemon=True).start()
 
     def _watch(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._num_connected += 1
+        try:
+            self._watch_connection(conn)
+        finally:
+            with self._lock:
+                self._num_connected -= 1
+
+    def _watch_connection(self, conn: socket.socket) -> None:
         with conn:
             conn.settimeout(self.timeout_s)
             try:

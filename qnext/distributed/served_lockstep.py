@@ -16,6 +16,9 @@ import time
 from qnext.distributed.multiprocess import LockstepEngine, is_leader
 
 
+FOLLOWERS_EXIT_S = 20.0    # rank 0 waits this long at shutdown for the followers to leave jax.distributed
+
+
 class RanksDownError(Exception):
     """A rank of the engine is down; the engine cannot step again (restart every rank)."""
 
@@ -84,7 +87,7 @@ class ServedLockstepEngine(LockstepEngine):
             except Exception as e:                # a rank left meanwhile: nothing to stop there
                 self.failure = f"shutdown broadcast failed ({e})"
         if self.monitor is not None:
-            self.monitor.close()
+            self.monitor.close(wait_s=0.0 if self.failure else FOLLOWERS_EXIT_S)
         self.engine.close()
 
     def _monitor_failure(self) -> str | None:

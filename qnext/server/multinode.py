@@ -57,9 +57,13 @@ def follow(model, engine_options: dict, args) -> int:
         steps = engine.follow()
     except RanksDownError as e:
         logger.error("rank %d stops: %s", args.node_rank, e)
-        return 1
-    finally:
         sender.stop()
+        return 1
+    import jax
+
+    # leave jax.distributed while rank 0 still waits on the heartbeat connection (its coordination service is up)
+    jax.distributed.shutdown()
+    sender.stop()
     logger.info("rank %d: rank 0 shut down after %d steps", args.node_rank, steps)
     return 0
 
