@@ -64,7 +64,7 @@ class ServedLockstepEngine(LockstepEngine):
                 self._apply(op)
             return self.engine.step() if self.engine.has_unfinished_requests() else []
         except Exception as e:
-            self.failure = self._monitor_failure() or f"a collective between the ranks failed ({e})"
+            self.failure = self._which_rank(1.0) or f"a collective between the ranks failed ({e})"
             raise RanksDownError(f"the engine lost a rank: {self.failure}") from e
 
     def _apply(self, op: tuple) -> None:
@@ -92,6 +92,16 @@ class ServedLockstepEngine(LockstepEngine):
 
     def _monitor_failure(self) -> str | None:
         return self.monitor.failure() if self.monitor is not None else None
+
+    def _which_rank(self, wait_s: float) -> str | None:
+        """After a failed collective: the monitor's account of the lost rank (its heartbeat connection closes a
+        moment after the collective fails), waiting up to `wait_s` for it."""
+        deadline = time.monotonic() + wait_s
+        while self.monitor is not None and time.monotonic() < deadline:
+            if (why := self.monitor.failure()) is not None:
+                return why
+            time.sleep(0.02)
+        return self._monitor_failure()
 
     def _raise_if_down(self) -> None:
         why = self.failure or self._monitor_failure()

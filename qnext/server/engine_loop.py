@@ -143,7 +143,7 @@ class AsyncEngine:
         except BaseException as e:               # a bug in the loop itself: fail everything, stop serving
             logger.exception("the engine loop died")
             self.fatal_error = e
-            fatal = isinstance(e, self._fatal_errors) if self._fatal_errors else False
+            fatal = isinstance(e, self._fatal_errors)
             self._fail(list(self._live), EngineStoppedError(str(e) if fatal else f"the engine loop died: {e!r}"))
         finally:
             with self._lock:
