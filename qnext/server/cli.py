@@ -146,6 +146,10 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
         except ValueError as e:
             logger.error("%s", e)
             return 2
+        if args.data_parallel_size > 1:
+            logger.error("--nnodes > 1 runs one engine over every rank; --data-parallel-size > 1 with it is not "
+                         "supported: start one multi-rank server per replica instead")
+            return 2
         if args.node_rank > 0:
             return follow(model, engine_options, args)
         gate = lead(model, engine_options, args, names)
