@@ -39,6 +39,17 @@ def chat(base_url: str, question: str, max_tokens: int = 6, history: list | None
                             "ignore_eos": True})
 
 
+def wait_for_load(base_url: str, num_requests: int, timeout: float = 60) -> None:
+    """Until the replicas hold `num_requests` requests (running or waiting), as the router sees them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        health = httpx.get(base_url + "/health", timeout=10).json()
+        if health["num_requests_running"] + health["num_requests_waiting"] >= num_requests:
+            return
+        assert time.monotonic() < deadline, f"the replicas never held {num_requests} requests"
+        time.sleep(0.1)
+
+
 def served_by(base_url: str) -> dict[str, float]:
     """Finished requests per replica (engine label), from /metrics."""
     counts: dict[str, float] = {}
@@ -66,9 +77,9 @@ def test_replicas_are_processes_and_both_answer(server):
                           system=False)
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
-    for t in threads:
+    for i, t in enumerate(threads):   # the second arrives while the first runs: the less loaded replica takes it
         t.start()
-        time.sleep(0.6)               # the second arrives while the first runs: the less loaded replica takes it
+        wait_for_load(server.base_url, i + 1)
     for t in threads:
         t.join(120)
     assert [r.status_code for r in results] == [200, 200]
@@ -87,9 +98,9 @@ def test_a_killed_replica_is_taken_out_and_the_other_keeps_answering(server):
                           system=False)
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
-    for t in threads:
+    for i, t in enumerate(threads):
         t.start()
-        time.sleep(0.5)
+        wait_for_load(server.base_url, i + 1)
     deadline = time.monotonic() + 60
     while httpx.get(server.base_url + "/health", timeout=10).json()["num_requests_running"] < 2:
         assert time.monotonic() < deadline, "the two long requests never ran together"
