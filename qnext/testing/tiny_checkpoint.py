@@ -18,8 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from qnext.testing.tiny_vision import (TINY_IMAGE_PREPROCESSING, TINY_VIDEO_PREPROCESSING, TINY_VISION,
-                                      vision_tensors)
+from qnext.testing.tiny_vision import TINY_IMAGE_PREPROCESSING, TINY_VISION, vision_tensors
 
 FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 TOKENIZERS = ("tiny", "qwen3.5")
@@ -146,7 +145,6 @@ def write_tiny_checkpoint(
     _write_json(out / "config.json", config)
     if vlm:
         _write_json(out / "preprocessor_config.json", TINY_IMAGE_PREPROCESSING)
-        _write_json(out / "video_preprocessor_config.json", TINY_VIDEO_PREPROCESSING)
     _write_safetensors(out, tensors, num_shards)
     tokenizer_eos = _write_tokenizer(out, cfg.vocab_size, chat_template, tokenizer)
     # As in Qwen releases, generation stops at the config's eos and at the tokenizer's end-of-turn token.

@@ -10,18 +10,13 @@ TINY_VISION = {
     "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "in_channels": 3, "patch_size": 4,
     "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 16, "hidden_act": "gelu_pytorch_tanh",
 }
-# The tiny tower's preprocessing (transformers' file format): patch 4, so 8 x 8 pixels make one token; images
-# between 32 x 32 (16 tokens) and 256 x 256 (1,024 tokens), videos up to 4 x 256 x 256 pixels over all frames.
+# The tiny tower's preprocessing (transformers' preprocessor_config.json): patch 4, so 8 x 8 pixels make one token;
+# images of 64..4096 pixels (a 32 x 32 picture is 16 tokens, at most 64 tokens). Videos: no file, so the patch
+# sizes and mean / std of this one with the video defaults (qnext/vision/preprocess_config.py).
 TINY_IMAGE_PREPROCESSING = {
-    "size": {"shortest_edge": 32 * 32, "longest_edge": 256 * 256}, "patch_size": 4, "temporal_patch_size": 2,
+    "size": {"shortest_edge": 64, "longest_edge": 64 * 64}, "patch_size": 4, "temporal_patch_size": 2,
     "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 3,
     "rescale_factor": 1 / 255, "processor_class": "Qwen3VLProcessor", "image_processor_type": "Qwen2VLImageProcessor",
-}
-TINY_VIDEO_PREPROCESSING = {
-    "size": {"shortest_edge": 32 * 32, "longest_edge": 4 * 256 * 256}, "patch_size": 4, "temporal_patch_size": 2,
-    "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 3,
-    "rescale_factor": 1 / 255, "fps": 2, "min_frames": 4, "max_frames": 64,
-    "processor_class": "Qwen3VLProcessor", "video_processor_type": "Qwen3VLVideoProcessor",
 }
 
 

@@ -126,7 +126,7 @@ def test_tiny_checkpoints_carry_their_towers_preprocessing(tiny_checkpoint, tmp_
 
     path = tiny_checkpoint("qwen3_5", vlm=True)
     image, video = load_preprocess_configs(path)
-    assert (image.patch_size, video.patch_size, image.max_pixels) == (4, 4, 256 * 256)
+    assert (image.patch_size, video.patch_size, image.max_pixels) == (4, 4, 64 * 64)
     assert preprocess_image(random_image(37, 53), image).pixel_values.shape[1] == 3 * 2 * 4 * 4
     wrong = write_tiny_checkpoint(tmp_path, "qwen3_5", vlm=True)
     (wrong / "preprocessor_config.json").write_text(json.dumps({"patch_size": 16}))
