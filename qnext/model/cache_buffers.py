@@ -22,6 +22,6 @@ def cache_layout(cfg: ModelConfig, dtype, extra_kv_layers: int = 0, kv_cache_dty
 
 
 def model_cache_buffers(cfg: ModelConfig, *, num_blocks: int, block_size: int, num_state_rows: int,
-                        dtype) -> CacheBuffers:
-    return allocate_cache_buffers(cache_layout(cfg, dtype), num_blocks=num_blocks, block_size=block_size,
-                                  num_state_rows=num_state_rows)
+                        dtype, kv_cache_dtype: str = "auto") -> CacheBuffers:
+    return allocate_cache_buffers(cache_layout(cfg, dtype, kv_cache_dtype=kv_cache_dtype), num_blocks=num_blocks,
+                                  block_size=block_size, num_state_rows=num_state_rows)
