@@ -76,6 +76,29 @@ class Fp8Scheme:
         return (*lead, -(-rows // b0), -(-cols // b1))
 
 
+def quantization_problem(scheme: Fp8Scheme | None, name: str, shape: tuple[int, ...], dtype: str, is_fp8: bool,
+                         scale_shape: tuple[int, ...] | None) -> str | None:
+    """What is wrong with a checkpoint tensor (completing "tensor X in file ..."), or None. An fp8 tensor needs the
+    config's fp8 scheme and a block scale `scale_name(name)` of the shape its blocks give; a module the scheme leaves
+    unquantised must not be fp8."""
+    if scheme is None or scheme.is_not_converted(name):
+        if not is_fp8:
+            return None
+        why = ("config.json has no quantization_config with quant_method 'fp8'" if scheme is None else
+               "quantization_config.modules_to_not_convert lists its module, so it must be stored unquantised")
+        return f"is {dtype}, but {why}"
+    if not is_fp8:
+        return None
+    if scale_shape is None:
+        return (f"is fp8 but has no block scale {scale_name(name)!r}; every fp8 weight needs its weight_scale_inv "
+                "(re-export the checkpoint)")
+    want = scheme.scale_shape(shape)
+    if scale_shape != want:
+        return (f"has shape {shape}; in blocks of {list(scheme.block_size)} its block scale {scale_name(name)!r} "
+                f"needs shape {want}, got {scale_shape}")
+    return None
+
+
 def expand_scales(scale_inv: np.ndarray, shape: tuple[int, ...], block_size: tuple[int, int]) -> np.ndarray:
     """[..., rb, cb] block scales -> [..., rows, cols], each block's scale repeated over it (edge blocks cut)."""
     rows, cols = shape[-2:]

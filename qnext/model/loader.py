@@ -20,7 +20,7 @@ import numpy as np
 
 from qnext.config import ModelConfig, read_json
 from qnext.model import converted_cache
-from qnext.model.fp8_blocks import Fp8Scheme, dequantize, scale_name
+from qnext.model.fp8_blocks import Fp8Scheme, dequantize, quantization_problem, scale_name
 from qnext.model.safetensors_fp8 import FLOAT8_DTYPES, Float8File
 from qnext.model.weights import ParamSpec, as_dtype, map_specs, param_specs
 from qnext.model.host_devices import engine_devices
@@ -290,28 +290,15 @@ class _Tensors:
             self._used.add(name)
 
     def _check_quantization(self, name: str, shape: tuple[int, ...], dtype: str) -> None:
-        """An fp8 tensor needs the config's fp8 scheme and a block scale of the right shape (marked used); a module
-        the scheme leaves unquantised must not be fp8."""
+        """fp8_blocks.quantization_problem, as a CheckpointError naming the tensor; a checked scale is marked used."""
         _, original, file = self._where[name]
-        is_fp8 = dtype in FLOAT8_DTYPES
-        if self._fp8 is None or self._fp8.is_not_converted(name):
-            if is_fp8:
-                why = ("config.json has no quantization_config with quant_method 'fp8'" if self._fp8 is None else
-                       "quantization_config.modules_to_not_convert lists its module, so it must be stored unquantised")
-                raise CheckpointError(f"tensor {original!r} in {file} is {dtype}, but {why}")
-            return
-        if not is_fp8:
-            return
-        scale = scale_name(name)
-        if scale not in self._where:
-            raise CheckpointError(f"fp8 tensor {original!r} in {file} has no block scale {scale_name(original)!r}; "
-                                  "every fp8 weight needs its weight_scale_inv (re-export the checkpoint)")
-        s_handle, s_original, s_file = self._where[scale]
-        got, want = tuple(s_handle.get_slice(s_original).get_shape()), self._fp8.scale_shape(shape)
-        if got != want:
-            raise CheckpointError(f"block scale {s_original!r} in {s_file} has shape {got}; {original!r} {shape} in "
-                                  f"blocks of {list(self._fp8.block_size)} needs {want}")
-        self._used.add(scale)
+        scale = self._where.get(scale_name(name))
+        scale_shape = None if scale is None else tuple(scale[0].get_slice(scale[1]).get_shape())
+        problem = quantization_problem(self._fp8, name, shape, dtype, dtype in FLOAT8_DTYPES, scale_shape)
+        if problem:
+            raise CheckpointError(f"tensor {original!r} in {file} {problem}")
+        if dtype in FLOAT8_DTYPES:
+            self._used.add(scale_name(name))
 
     def read(self, name: str) -> np.ndarray:
         handle, original, file = self._where[name]

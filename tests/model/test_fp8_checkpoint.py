@@ -107,9 +107,9 @@ QKV = "model.layers.0.linear_attn.in_proj_qkv.weight"
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda t: t.pop(QKV + "_scale_inv"), r"fp8 tensor '.*in_proj_qkv.weight'.* has no block scale"),
+    (lambda t: t.pop(QKV + "_scale_inv"), r"tensor '.*in_proj_qkv.weight'.* is fp8 but has no block scale"),
     (lambda t: t.update({QKV + "_scale_inv": t[QKV + "_scale_inv"][:, :1]}),
-     r"block scale '.*in_proj_qkv.weight_scale_inv'.* has shape \(3, 1\).*needs \(3, 2\)"),
+     r"'.*in_proj_qkv.weight'.* block scale '.*in_proj_qkv.weight_scale_inv' needs shape \(3, 2\), got \(3, 1\)"),
     # a decay gate the release keeps in bf16, stored as fp8 (the peers' mismatched-exclusion bug)
     (lambda t: t.update({"model.layers.0.linear_attn.in_proj_a.weight":
                          t["model.layers.0.linear_attn.in_proj_a.weight"].astype(t[QKV].dtype)}),
