@@ -25,6 +25,9 @@ def e4m3() -> np.dtype:
     return np.dtype(ml_dtypes.float8_e4m3fn)
 
 
+_E4M3_TO_F32 = np.arange(256, dtype=np.uint8).view(e4m3()).astype(np.float32)  # every e4m3 bit pattern's value
+
+
 def scale_name(weight_name: str) -> str:
     return weight_name + SCALE_SUFFIX
 
@@ -108,8 +111,16 @@ def expand_scales(scale_inv: np.ndarray, shape: tuple[int, ...], block_size: tup
 
 
 def dequantize(q: np.ndarray, scale_inv: np.ndarray, block_size: tuple[int, int]) -> np.ndarray:
-    """e4m3 [..., rows, cols] with block scales -> float32 W = Q * S."""
-    return q.astype(np.float32) * expand_scales(scale_inv, q.shape, block_size)
+    """e4m3 [..., rows, cols] with block scales -> float32 W = Q * S (the same products as
+    q.astype(float32) * expand_scales(...), computed block-wise without materialising the expanded scales)."""
+    *lead, rows, cols = q.shape
+    b0, b1 = block_size
+    rb, cb = scale_inv.shape[-2:]
+    x = _E4M3_TO_F32[np.ascontiguousarray(q).view(np.uint8)]  # a table lookup: ml_dtypes' cast is ~10x slower
+    if (rb * b0, cb * b1) != (rows, cols):
+        x = np.pad(x, [(0, 0)] * len(lead) + [(0, rb * b0 - rows), (0, cb * b1 - cols)])
+    x = x.reshape(*lead, rb, b0, cb, b1) * scale_inv.astype(np.float32)[..., :, None, :, None]
+    return np.ascontiguousarray(x.reshape(*lead, rb * b0, cb * b1)[..., :rows, :cols])
 
 
 def quantize(w: np.ndarray, block_size: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
