@@ -1,5 +1,6 @@
 """Data parallel serving: bench_serving.py's chat workload on one engine, then on 2 replicas with cache-aware routing
-and with round robin, side by side in one table (cached share of prompt tokens, TTFT, TPOT, throughput).
+(replicas as processes, then as threads) and with round robin, side by side in one table (cached share of prompt
+tokens, TTFT, TPOT, throughput).
 
     python scripts/bench_data_parallel.py                              # tiny demo model, three servers in turn
     python scripts/bench_data_parallel.py --model DIR --server-args "--max-num-seqs 32" --conversations 48
@@ -22,6 +23,8 @@ import bench_serving  # noqa: E402
 
 RUNS = (("1 engine", []),
         ("2 x cache-aware", ["--data-parallel-size", "2", "--data-parallel-routing", "cache_aware"]),
+        ("2 x cache-aware, threads", ["--data-parallel-size", "2", "--data-parallel-routing", "cache_aware",
+                                      "--data-parallel-backend", "thread"]),
         ("2 x round-robin", ["--data-parallel-size", "2", "--data-parallel-routing", "round_robin"]))
 
 
