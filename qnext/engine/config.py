@@ -46,6 +46,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"              # vLLM's: "fp8" stores attention KV as e4m3 (cache/cache_dtypes.py)
     kv_cache_scale: float = 1.0               # fp8 KV: stored = value / scale (vLLM's default 1.0 for hybrids)
     mamba_ssm_cache_dtype: str = "auto"       # vLLM's: stored snapshots' recurrent state ("bfloat16"; auto: float32)
+    fp8_weights: str = "auto"                 # an FP8 checkpoint's weights: "keep" (e4m3 + block scales on the
+                                              # device), "dequantize" (widened at load); auto: keep on GPU (docs/fp8.md)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk", "num_scheduler_steps",
@@ -63,6 +65,8 @@ class EngineConfig:
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         kv_storage_dtype(self.kv_cache_dtype, self.dtype), snapshot_storage_dtype(self.mamba_ssm_cache_dtype)
+        if self.fp8_weights not in ("auto", "keep", "dequantize"):
+            raise ValueError(f"fp8_weights must be 'auto', 'keep' or 'dequantize', got {self.fp8_weights!r}")
         if not isinstance(self.kv_cache_scale, (int, float)) or not self.kv_cache_scale > 0:
             raise ValueError(f"kv_cache_scale must be a positive number, got {self.kv_cache_scale!r}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
@@ -163,3 +167,11 @@ class EngineConfig:
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}")
         return self.max_model_len
+
+
+def resolved_fp8_weights(choice: str, backend: str) -> str:
+    """EngineConfig.fp8_weights with "auto" decided: "keep" on a GPU, "dequantize" elsewhere (the CPU widens the
+    weights once at load rather than on every step)."""
+    if choice != "auto":
+        return choice
+    return "keep" if backend == "gpu" else "dequantize"

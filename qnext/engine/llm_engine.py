@@ -18,12 +18,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
+
 from cache.device_buffers import warm_up_fork_copies
 from cache.fingerprint import files_digest_memoized
 from qnext.config import ModelConfig
 from qnext.engine.cache_setup import cache_sizes, make_cache, params_weights_digest, prefix_cache_fingerprint
 from qnext.engine.compilation_cache import enable_compilation_cache
-from qnext.engine.config import EngineConfig
+from qnext.engine.config import EngineConfig, resolved_fp8_weights
 from qnext.engine.drafter import Drafter
 from qnext.engine.engine_cache import EngineCache
 from qnext.engine.intake import Prompt, RequestIntake
@@ -61,7 +63,8 @@ class LLMEngine:
         checkpoint = load_checkpoint(model, config.dtype, tensor_parallel_size=config.tensor_parallel_size,
                                      expert_parallel=config.enable_expert_parallel,
                                      attention_tensor_parallel=config.attention_tensor_parallel,
-                                     with_mtp=bool(config.num_speculative_tokens))
+                                     with_mtp=bool(config.num_speculative_tokens),
+                                     fp8_weights=resolved_fp8_weights(config.fp8_weights, jax.default_backend()))
         if config.num_speculative_tokens and checkpoint.mtp is None:
             raise ValueError(f"speculative_config {config.speculative_config} drafts with the checkpoint's MTP "
                              f"head, but {model} has none (no mtp.* tensors, no {MTP_FILE}); train one with "

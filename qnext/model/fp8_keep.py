@@ -1,0 +1,45 @@
+"""fp8_weights="keep": a checkpoint leaf built from fp8 tensors kept as e4m3 with block scales (fp8_weight.Fp8Weight)
+instead of dequantised.
+
+The loader combines a leaf's HF tensors by re-ordering rows (concatenating q | gate | k | v, de-interleaving
+Qwen3-Next's per-key-head qkvz, stacking gate | up). The same re-ordering is applied to the e4m3 bytes, and each
+output block of b0 rows takes the scale row of the one source block all its rows come from. When the rows of one
+output block come from two source blocks (a head of fewer than b0 rows re-ordered, a segment boundary inside a
+block), no single scale fits: the leaf is dequantised instead (`None`). A leaf that mixes fp8 and bf16 tensors
+(Qwen3.5's in_proj: qkv and z fp8, the decay gates b and a bf16) is dequantised too, never mixed: its bf16 rows
+would otherwise have to be quantised (the peers' garbled-output bug) or multiplied apart.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from qnext.model.fp8_blocks import e4m3
+from qnext.model.fp8_weight import Fp8Weight
+
+FP8_WEIGHT_MODES = ("dequantize", "keep")
+
+
+def kept_rows(parts: list[tuple[np.ndarray, np.ndarray]], combine: Callable[..., np.ndarray],
+              block_size: tuple[int, int]) -> Fp8Weight | None:
+    """parts: each source's (e4m3 [rows_i, cols], scales [ceil(rows_i/b0), cb]); combine: the loader's row
+    re-ordering of the sources -> the leaf as an Fp8Weight, or None when a block would mix two source blocks."""
+    b0 = block_size[0]
+    q = combine(*(np.ascontiguousarray(p).view(np.uint8) for p, _ in parts)).view(e4m3())
+    first_block, ids = 0, []
+    for p, s in parts:   # each row's global source-block id, shaped like the source so `combine` can move it
+        ids.append(np.broadcast_to((first_block + np.arange(p.shape[0]) // b0)[:, None].astype(np.int32),
+                                   p.shape).copy())
+        first_block += s.shape[0]
+    row_block = combine(*ids)[:, 0]
+    starts = row_block[::b0]
+    if not np.array_equal(np.repeat(starts, b0)[:len(row_block)], row_block):
+        return None
+    scales = np.concatenate([s for _, s in parts], axis=0)[starts]
+    return Fp8Weight(np.ascontiguousarray(q), np.ascontiguousarray(scales, dtype=np.float32), tuple(block_size))
+
+
+def kept_expert_stack(q: np.ndarray, scale_inv: np.ndarray, block_size: tuple[int, int]) -> Fp8Weight:
+    """A fused expert stack [E, out, in] (as released) kept in that layout."""
+    return Fp8Weight(q, scale_inv.astype(np.float32), tuple(block_size), expert_stack=True)
