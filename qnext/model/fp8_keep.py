@@ -41,5 +41,21 @@ def kept_rows(parts: list[tuple[np.ndarray, np.ndarray]], combine: Callable[...,
 
 
 def kept_expert_stack(q: np.ndarray, scale_inv: np.ndarray, block_size: tuple[int, int]) -> Fp8Weight:
-    """A fused expert stack [E, out, in] (as released) kept in that layout."""
-    return Fp8Weight(q, scale_inv.astype(np.float32), tuple(block_size), expert_stack=True)
+    """A fused expert stack [E, out, in] as released -> the grouped matmul's [E, in, out], blocks transposed with it
+    (fp8_weight.py)."""
+    b0, b1 = block_size
+    q = np.ascontiguousarray(np.ascontiguousarray(q).view(np.uint8).transpose(0, 2, 1)).view(e4m3())
+    return Fp8Weight(q, np.ascontiguousarray(scale_inv.astype(np.float32).transpose(0, 2, 1)), (b1, b0))
+
+
+def kept_expert_list(parts: list[tuple[np.ndarray, np.ndarray]], per_expert: int,
+                     block_size: tuple[int, int]) -> Fp8Weight | None:
+    """Per-expert tensors, `per_expert` parts each in order (gate_j, up_j; or down_j), each expert's parts stacked
+    by rows -> the stack as kept_expert_stack makes it; None when an expert's parts cannot keep whole blocks."""
+    k = per_expert
+    experts = [kept_rows(parts[j:j + k], lambda *xs: np.concatenate(xs, axis=0), block_size)
+               for j in range(0, len(parts), k)]
+    if any(e is None for e in experts):
+        return None
+    q = np.stack([np.asarray(e.q).view(np.uint8) for e in experts]).view(e4m3())
+    return kept_expert_stack(q, np.stack([e.scale_inv for e in experts]), block_size)

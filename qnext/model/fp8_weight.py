@@ -2,9 +2,11 @@
 pytree node that the model's `linear()` and the MoE grouped matmul multiply directly (engine option
 `fp8_weights="keep"`). Device memory holds the fp8 bytes plus one float32 per block.
 
-Layouts: a dense weight is [out, in] with scale_inv [ceil(out/b0), ceil(in/b1)], as everywhere in the model; an
-expert stack is kept in the checkpoint's [E, out, in] (blocks run over out and in, so the model's [E, in, out]
-layout would cut them) and `expert_stack=True` says so. `block_size` is static (part of the tree structure).
+Layout: the model's, with the scales following it. A dense weight is [out, in] with scale_inv [ceil(out/b0),
+ceil(in/b1)] as released; an expert stack (released [E, out, in]) is transposed at load to the grouped matmul's
+[E, in, out], its scales to [E, ceil(in/b1), ceil(out/b0)] and block_size to (b1, b0). So `block_size` is always
+(rows, columns) of the last two dims as stored, and tensor parallelism shards q and scale_inv along the same axis
+with the same PartitionSpec (fp8_sharding.py). `block_size` is static (part of the tree structure).
 """
 from __future__ import annotations
 
@@ -17,25 +19,21 @@ import jax.numpy as jnp
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Fp8Weight:
-    q: jax.Array                      # [..., out, in] float8_e4m3fn
-    scale_inv: jax.Array              # [..., ceil(out/b0), ceil(in/b1)] float32
+    q: jax.Array                      # [..., rows, cols] float8_e4m3fn
+    scale_inv: jax.Array              # [..., ceil(rows/b0), ceil(cols/b1)] float32
     block_size: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
-    expert_stack: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The shape of the weight in the model's layout ([E, in, out] for an expert stack)."""
-        shape = tuple(self.q.shape)
-        return (*shape[:-2], shape[-1], shape[-2]) if self.expert_stack else shape
+        return tuple(self.q.shape)
 
     @property
     def nbytes(self) -> int:
         return int(self.q.nbytes) + int(self.scale_inv.nbytes)
 
     def dequantized(self, dtype):
-        """W in the model's layout and `dtype` (products in float32, rounded once)."""
-        w = dequantize_on_device(self.q, self.scale_inv, self.block_size, dtype)
-        return jnp.swapaxes(w, -1, -2) if self.expert_stack else w
+        """W in `dtype` (products in float32, rounded once)."""
+        return dequantize_on_device(self.q, self.scale_inv, self.block_size, dtype)
 
 
 def dequantize_on_device(q, scale_inv, block_size: tuple[int, int], dtype):

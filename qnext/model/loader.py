@@ -21,7 +21,7 @@ from qnext.config import ModelConfig
 from qnext.model import converted_cache
 from qnext.model.checkpoint_tensors import (  # noqa: F401  (names the loader has always exported)
     INDEX_FILE, SINGLE_FILE, CheckpointError, Tensors as _Tensors, checkpoint_files)
-from qnext.model.fp8_keep import FP8_WEIGHT_MODES, kept_expert_stack, kept_rows
+from qnext.model.fp8_keep import FP8_WEIGHT_MODES, kept_expert_list, kept_expert_stack, kept_rows
 from qnext.model.fp8_weight import Fp8Weight
 from qnext.model.weights import ParamSpec, as_dtype, map_specs, param_specs
 from qnext.model.host_devices import engine_devices
@@ -97,8 +97,11 @@ def _kept(t, leaf: "_Leaf") -> Fp8Weight | None:
     names = [name for name, _ in leaf.sources]
     if not leaf.fp8_form or not all(t.is_fp8(n) for n in names):
         return None
-    if leaf.fp8_form == "experts":
+    if leaf.fp8_form == "experts" and len(names) == 1:   # fused [E, out, in]
         return kept_expert_stack(*t.read_fp8(names[0]), t.fp8_block_size)
+    if leaf.fp8_form == "experts":                        # per expert: [gate_j, up_j]... or [down_j]...
+        per_expert = 2 if names[0].endswith("gate_proj.weight") else 1
+        return kept_expert_list([t.read_fp8(n) for n in names], per_expert, t.fp8_block_size)
     return kept_rows([t.read_fp8(n) for n in names], leaf.combine, t.fp8_block_size)
 
 
@@ -220,9 +223,10 @@ def _moe(t: "_Tensors", p: str, cfg: ModelConfig) -> dict[str, _Leaf]:
         e = p + "experts."
         gate_up = _Leaf(
             tuple((f"{e}{j}.{w}_proj.weight", (I, H)) for j in range(E) for w in ("gate", "up")),
-            lambda *m: swap(np.stack([np.concatenate(m[2 * j:2 * j + 2]) for j in range(E)])),
+            lambda *m: swap(np.stack([np.concatenate(m[2 * j:2 * j + 2]) for j in range(E)])), "experts",
         )
-        down = _Leaf(tuple((f"{e}{j}.down_proj.weight", (H, I)) for j in range(E)), lambda *m: swap(np.stack(m)))
+        down = _Leaf(tuple((f"{e}{j}.down_proj.weight", (H, I)) for j in range(E)), lambda *m: swap(np.stack(m)),
+                     "experts")
     return {
         "router": _same(p + "gate.weight", E, H),
         "experts_gate_up": gate_up,
