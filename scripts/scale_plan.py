@@ -45,25 +45,23 @@ _FP8_LEAVES = ("in_proj", "out_proj", "qkv_proj", "o_proj", "gate_up", "down", "
 
 
 def _fp8_bytes(cfg: ModelConfig, path, spec) -> int:
-    """A leaf's bytes as the FP8 release stores it: e4m3 + a float32 scale per 128 x 128 block (whole tensors)."""
+    """A leaf's bytes as fp8_weights="keep" holds it: e4m3 + a float32 scale per 128 x 128 block (whole tensors)."""
     import numpy as np
 
     n = int(np.prod(spec.shape))
     if path[-1] not in _FP8_LEAVES:
         return 2 * n
-    bf16_rows = 0
-    if path[-1] == "in_proj":                   # the decay-gate rows b | a stay bf16
-        bf16_rows = 2 * cfg.linear_num_value_heads
+    if path[-1] == "in_proj":   # fp8 qkv / z fused with the bf16 decay gates b / a: the engine dequantises the
+        return 2 * n            # mixed leaf at load (qnext/model/fp8_keep.py), so it holds bf16 bytes
     rows, cols = spec.shape[-2:]
     lead = n // (rows * cols)
-    fp8_rows = rows - bf16_rows
-    blocks = lead * -(-fp8_rows // 128) * -(-cols // 128)
-    return lead * (fp8_rows * cols + 2 * bf16_rows * cols) + 4 * blocks
+    blocks = lead * -(-rows // 128) * -(-cols // 128)
+    return lead * rows * cols + 4 * blocks
 
 
 def weight_bytes_per_device(cfg: ModelConfig, tp: int, dtype, weights: str = "bf16") -> dict[str, int]:
     """Bytes one device holds, by part: split params count 1/tp, replicated ones whole. weights "fp8": as the FP8
-    release stores them (kept in e4m3 on the device, the GPU path of qnext/model/fp8_linear.py)."""
+    release stores them, as fp8_weights="keep" holds them on the device (qnext/model/fp8_keep.py)."""
     sharded = sharded_model_config(cfg, tp)
     parts: dict[str, int] = {}
 
