@@ -82,6 +82,10 @@ class WeightUpdate:
 
     def __call__(self, placed, params):
         """The new weights, in `placed`'s buffers (donated: `placed` is consumed)."""
+        if _has_fp8(placed) and not _has_fp8(params):
+            raise ValueError("this engine holds an FP8 checkpoint's weights in e4m3 (fp8_weights='keep'); "
+                             "update_weights takes plain weights only into an engine started with "
+                             "fp8_weights='dequantize'")
         if self.tensor_parallel_size > 1:
             params = place_params(params, self.cfg, self.dtype, self.tensor_parallel_size)
         if jax.tree.map(lambda x: x.shape, placed) != jax.tree.map(lambda x: x.shape, params):
@@ -90,6 +94,10 @@ class WeightUpdate:
         if _signature(params) != self._signature:
             self.prepare(placed, params)
         return self._copy(placed, params)
+
+
+def _has_fp8(params) -> bool:
+    return any(isinstance(x, Fp8Weight) for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Fp8Weight)))
 
 
 def _overwrite(old, new):

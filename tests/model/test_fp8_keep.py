@@ -121,3 +121,15 @@ def test_engine_step_with_kept_fp8_weights_lowers_for_cuda(tmp_path):
     main = text[text.index("func.func public @main"):].split("\n", 1)[0]
     fp8_args = main.count("f8E4M3FN>")
     assert fp8_args == sum(x.dtype == jnp.float8_e4m3fn for x in jax.tree.leaves(params)) >= 5, fp8_args
+
+
+def test_update_weights_into_kept_fp8_weights_says_what_to_do(tmp_path):
+    from qnext.model.loader import load_params
+    from qnext.model.placement import WeightUpdate
+
+    src = write_tiny_checkpoint(tmp_path / "bf16", "qwen3_5", seed=5, dtype="bfloat16")
+    fp8 = export_fp8(src, tmp_path / "fp8", block_size=BLOCK)
+    cfg = ModelConfig.from_pretrained(fp8)
+    placed = load_params(fp8, cfg, "bfloat16", fp8_weights="keep")
+    with pytest.raises(ValueError, match="fp8_weights='dequantize'"):
+        WeightUpdate(cfg, "bfloat16")(placed, convert_checkpoint(src, cfg, "bfloat16"))
