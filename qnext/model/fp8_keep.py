@@ -21,23 +21,36 @@ from qnext.model.fp8_weight import Fp8Weight
 FP8_WEIGHT_MODES = ("dequantize", "keep")
 
 
-def kept_rows(parts: list[tuple[np.ndarray, np.ndarray]], combine: Callable[..., np.ndarray],
-              block_size: tuple[int, int]) -> Fp8Weight | None:
-    """parts: each source's (e4m3 [rows_i, cols], scales [ceil(rows_i/b0), cb]); combine: the loader's row
-    re-ordering of the sources -> the leaf as an Fp8Weight, or None when a block would mix two source blocks."""
+def kept_rows(parts: list[tuple[np.ndarray, np.ndarray | None]], combine: Callable[..., np.ndarray],
+              block_size: tuple[int, int], tail_dtype=np.float32) -> Fp8Weight | None:
+    """parts: each source's (e4m3 [rows_i, cols], scales [ceil(rows_i/b0), cb]), or (float values, None) for a
+    source the release left in bf16; combine: the loader's row re-ordering of the sources -> the leaf as an
+    Fp8Weight (the float sources' rows, which must come last, as its `tail` in `tail_dtype`), or None when a block
+    would mix two source blocks or float rows are not all at the end."""
     b0 = block_size[0]
-    q = combine(*(np.ascontiguousarray(p).view(np.uint8) for p, _ in parts)).view(e4m3())
     first_block, ids = 0, []
-    for p, s in parts:   # each row's global source-block id, shaped like the source so `combine` can move it
-        ids.append(np.broadcast_to((first_block + np.arange(p.shape[0]) // b0)[:, None].astype(np.int32),
-                                   p.shape).copy())
-        first_block += s.shape[0]
+    for p, s in parts:   # each row's global source-block id (-1: a float row), shaped like the source so `combine`
+        rows = p.shape[0]  # can move it
+        row_ids = first_block + np.arange(rows) // b0 if s is not None else np.full(rows, -1)
+        ids.append(np.broadcast_to(row_ids[:, None].astype(np.int32), p.shape).copy())
+        first_block += s.shape[0] if s is not None else 0
     row_block = combine(*ids)[:, 0]
-    starts = row_block[::b0]
-    if not np.array_equal(np.repeat(starts, b0)[:len(row_block)], row_block):
+    n = int(np.sum(row_block >= 0))
+    if n == 0 or np.any(row_block[n:] >= 0):
         return None
-    scales = np.concatenate([s for _, s in parts], axis=0)[starts]
-    return Fp8Weight(np.ascontiguousarray(q), np.ascontiguousarray(scales, dtype=np.float32), tuple(block_size))
+    head = row_block[:n]
+    starts = head[::b0]
+    if not np.array_equal(np.repeat(starts, b0)[:n], head):
+        return None
+    q = combine(*(np.ascontiguousarray(p).view(np.uint8) if s is not None else np.zeros(p.shape, np.uint8)
+                  for p, s in parts))[:n].view(e4m3())
+    tail = None
+    if n < len(row_block):
+        tail = combine(*(np.zeros(p.shape, np.float32) if s is not None else np.asarray(p, np.float32)
+                         for p, s in parts))[n:].astype(tail_dtype)
+    scales = np.concatenate([s for _, s in parts if s is not None], axis=0)[starts]
+    return Fp8Weight(np.ascontiguousarray(q), np.ascontiguousarray(scales, dtype=np.float32), tuple(block_size),
+                     tail)
 
 
 def kept_expert_stack(q: np.ndarray, scale_inv: np.ndarray, block_size: tuple[int, int]) -> Fp8Weight:

@@ -22,18 +22,22 @@ class Fp8Weight:
     q: jax.Array                      # [..., rows, cols] float8_e4m3fn
     scale_inv: jax.Array              # [..., ceil(rows/b0), ceil(cols/b1)] float32
     block_size: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
+    tail: jax.Array | None = None     # [t, cols] rows left in bf16 by the release, after the fp8 rows (in_proj's b a)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.q.shape)
+        rows, cols = self.q.shape[-2:]
+        extra = 0 if self.tail is None else self.tail.shape[-2]
+        return (*self.q.shape[:-2], rows + extra, cols)
 
     @property
     def nbytes(self) -> int:
-        return int(self.q.nbytes) + int(self.scale_inv.nbytes)
+        return int(self.q.nbytes) + int(self.scale_inv.nbytes) + (0 if self.tail is None else int(self.tail.nbytes))
 
     def dequantized(self, dtype):
-        """W in `dtype` (products in float32, rounded once)."""
-        return dequantize_on_device(self.q, self.scale_inv, self.block_size, dtype)
+        """W in `dtype` (products in float32, rounded once), the tail rows appended."""
+        w = dequantize_on_device(self.q, self.scale_inv, self.block_size, dtype)
+        return w if self.tail is None else jnp.concatenate([w, self.tail.astype(dtype)], axis=-2)
 
 
 def dequantize_on_device(q, scale_inv, block_size: tuple[int, int], dtype):

@@ -81,7 +81,7 @@ def convert_checkpoint(
 
         def build(path_: tuple, spec: ParamSpec) -> Any:
             leaf = _at(plan, path_)
-            kept = _kept(t, leaf) if keep else None
+            kept = _kept(t, leaf, spec.dtype) if keep else None
             if kept is not None:
                 assert kept.shape == spec.shape, (path_, kept.shape, spec.shape)
                 return place(kept) if place is not None else kept
@@ -93,16 +93,19 @@ def convert_checkpoint(
         return map_specs(build, specs)
 
 
-def _kept(t, leaf: "_Leaf") -> Fp8Weight | None:
+def _kept(t, leaf: "_Leaf", dtype) -> Fp8Weight | None:
     names = [name for name, _ in leaf.sources]
-    if not leaf.fp8_form or not all(t.is_fp8(n) for n in names):
+    if not leaf.fp8_form or not any(t.is_fp8(n) for n in names):
         return None
-    if leaf.fp8_form == "experts" and len(names) == 1:   # fused [E, out, in]
+    if leaf.fp8_form == "rows":   # fp8 sources with (in_proj) the release's bf16 ones, which become the tail
+        parts = [t.read_fp8(n) if t.is_fp8(n) else (t.read(n), None) for n in names]
+        return kept_rows(parts, leaf.combine, t.fp8_block_size, dtype)
+    if not all(t.is_fp8(n) for n in names):
+        return None
+    if len(names) == 1:                                   # fused experts [E, out, in]
         return kept_expert_stack(*t.read_fp8(names[0]), t.fp8_block_size)
-    if leaf.fp8_form == "experts":                        # per expert: [gate_j, up_j]... or [down_j]...
-        per_expert = 2 if names[0].endswith("gate_proj.weight") else 1
-        return kept_expert_list([t.read_fp8(n) for n in names], per_expert, t.fp8_block_size)
-    return kept_rows([t.read_fp8(n) for n in names], leaf.combine, t.fp8_block_size)
+    per_expert = 2 if names[0].endswith("gate_proj.weight") else 1   # [gate_j, up_j]... or [down_j]...
+    return kept_expert_list([t.read_fp8(n) for n in names], per_expert, t.fp8_block_size)
 
 
 # ---- conversion plan -----------------------------------------------------------------------------------------------

@@ -187,7 +187,7 @@ def _device_major(x, axis: int, segments: list[int], tp: int, name: str = ""):
     """Re-orders the fused segments along `axis` so that the r-th 1/tp of the axis holds every segment's r-th part."""
     if isinstance(x, Fp8Weight):
         return reorder_fp8(x, axis, segments, [n // tp for n in segments],
-                           lambda a, ax, seg: _device_major(a, ax, seg, tp), name=name, tp=tp)
+                           lambda a, ax, seg, first: _device_major(a, ax, seg, tp), name=name, tp=tp)
     parts = np.split(x, np.cumsum(segments)[:-1], axis=axis)
     per_device = [np.split(p, tp, axis=axis) for p in parts]
     return np.concatenate([per_device[j][r] for r in range(tp) for j in range(len(parts))], axis=axis)
@@ -197,9 +197,9 @@ def _repeat_heads(x, axis: int, segments: list[int], repeats: list[int], name: s
     """Fused segments along `axis`, each segment j's heads (rows of its size / heads) repeated repeats[j] times in
     place (head h -> copies h, h, ...), given as repeats[j] = (heads, times)."""
     if isinstance(x, Fp8Weight):
-        heads = [n // h for n, (h, times) in zip(segments, repeats) if times > 1]
-        return reorder_fp8(x, axis, segments, heads, lambda a, ax, seg: _repeat_heads(a, ax, seg, repeats),
-                           name=name, tp=tp)
+        heads = [n // h if times > 1 else n for n, (h, times) in zip(segments, repeats)]
+        return reorder_fp8(x, axis, segments, heads, lambda a, ax, seg, first: _repeat_heads(
+            a, ax, seg, repeats[first:first + len(seg)]), name=name, tp=tp)
     parts = np.split(x, np.cumsum(segments)[:-1], axis=axis)
     out = []
     for part, (heads, times) in zip(parts, repeats):

@@ -1,8 +1,8 @@
 """fp8_weights="keep": an FP8 checkpoint's weights stay e4m3 with their block scales on the device (Fp8Weight) and
 the model multiplies them directly. The logits equal the dequantised load's exactly (the same float32 products,
 rounded once to the model dtype), for the dense, MoE (fused experts) and Qwen3-Next (packed qkvz, per-expert)
-families; the leaves whose rows cannot keep whole blocks, and those mixing fp8 with bf16, are dequantised; the
-device bytes shrink; the engine's whole step lowers for CUDA with the e4m3 weights as its parameters."""
+families; the release's bf16 rows fused into in_proj stay bf16; leaves whose rows cannot keep whole blocks are
+dequantised; the device bytes shrink; the engine's whole step lowers for CUDA with the e4m3 weights as its parameters."""
 from __future__ import annotations
 
 import dataclasses
@@ -28,10 +28,10 @@ CASES = {
     "qwen3_5_moe": dict(family="qwen3_5_moe", fused_experts=True),
     "qwen3_next": dict(family="qwen3_next"),
 }
-# what "keep" keeps, per family: Qwen3.5's in_proj mixes fp8 qkv / z with bf16 decay gates b / a and Qwen3-Next's
-# in_proj fuses fp8 qkvz with bf16 ba: both dequantised, never mixed
-KEPT = {"qkv_proj", "o_proj", "out_proj", "gate_up", "down", "experts_gate_up", "experts_down", "shared_gate_up",
-        "shared_down"}
+# what "keep" keeps: every fp8 linear; the DeltaNet in_proj (fp8 q k v z with the release's bf16 decay gates b a,
+# Qwen3.5's split or Qwen3-Next's packed qkvz + ba) keeps its fp8 rows and the bf16 rows as its tail
+KEPT = {"in_proj", "qkv_proj", "o_proj", "out_proj", "gate_up", "down", "experts_gate_up", "experts_down",
+        "shared_gate_up", "shared_down"}
 _forward = jax.jit(dense_forward, static_argnums=3)
 
 
@@ -59,12 +59,14 @@ def test_kept_fp8_weights_give_the_dequantised_logits(tmp_path, name):
     names = _kept_names(kept)
     assert names == KEPT & {k for layer in widened["layers"] for part in _blocks(layer) for k in part}, names
     for layer in kept["layers"]:
-        assert not isinstance(layer["attn"].get("in_proj"), Fp8Weight)
+        if "in_proj" in layer["attn"]:   # the decay-gate rows b | a: bf16, never quantised
+            tail = layer["attn"]["in_proj"].tail
+            assert tail.dtype == jnp.bfloat16 and tail.shape[0] == 2 * cfg.linear_num_value_heads
         for part in _blocks(layer):
             for key, leaf in part.items():
                 if isinstance(leaf, Fp8Weight):
                     assert leaf.q.dtype.name == "float8_e4m3fn" and leaf.scale_inv.dtype == np.float32
-                elif key in ("router", "shared_gate", "in_proj"):    # left in bf16 by the release (or mixed)
+                elif key in ("router", "shared_gate"):    # left in bf16 by the release
                     assert leaf.dtype == jnp.bfloat16
     assert not isinstance(kept["lm_head"], Fp8Weight) and kept["embed"].dtype == jnp.bfloat16
     assert _nbytes(kept) < _nbytes(widened)
@@ -87,6 +89,11 @@ def test_rows_reordered_by_whole_blocks_keep_their_scales_and_a_cut_block_is_ref
     partial = quantize(rng.standard_normal((20, 48)).astype(np.float32), BLOCK)   # ends in a 4-row block
     assert kept_rows([partial, b], lambda x, y: np.concatenate([x, y]), BLOCK) is None
     assert kept_rows([b, partial], lambda x, y: np.concatenate([x, y]), BLOCK) is not None   # partial block last
+    gates = (rng.standard_normal((6, 48)).astype(np.float32), None)    # rows the release left in bf16
+    with_tail = kept_rows([a, gates], lambda x, y: np.concatenate([x, y]), BLOCK, tail_dtype=np.float32)
+    np.testing.assert_array_equal(np.asarray(with_tail.tail), gates[0])
+    assert with_tail.shape == (38, 48) and with_tail.q.shape == (32, 48)
+    assert kept_rows([gates, a], lambda x, y: np.concatenate([x, y]), BLOCK) is None     # bf16 rows first: no tail
 
 
 def test_fp8_weights_option_is_checked_and_auto_keeps_on_gpu_only():
