@@ -45,18 +45,20 @@ _FP8_LEAVES = ("in_proj", "out_proj", "qkv_proj", "o_proj", "gate_up", "down", "
 
 
 def _fp8_bytes(cfg: ModelConfig, path, spec) -> int:
-    """A leaf's bytes as fp8_weights="keep" holds it: e4m3 + a float32 scale per 128 x 128 block (whole tensors)."""
+    """A leaf's bytes as the FP8 release stores it: e4m3 + a float32 scale per 128 x 128 block (whole tensors)."""
     import numpy as np
 
     n = int(np.prod(spec.shape))
     if path[-1] not in _FP8_LEAVES:
         return 2 * n
-    if path[-1] == "in_proj":   # fp8 qkv / z fused with the bf16 decay gates b / a: the engine dequantises the
-        return 2 * n            # mixed leaf at load (qnext/model/fp8_keep.py), so it holds bf16 bytes
+    bf16_rows = 0
+    if path[-1] == "in_proj":                   # the decay-gate rows b | a stay bf16 (a kept weight's tail)
+        bf16_rows = 2 * cfg.linear_num_value_heads
     rows, cols = spec.shape[-2:]
     lead = n // (rows * cols)
-    blocks = lead * -(-rows // 128) * -(-cols // 128)
-    return lead * rows * cols + 4 * blocks
+    fp8_rows = rows - bf16_rows
+    blocks = lead * -(-fp8_rows // 128) * -(-cols // 128)
+    return lead * (fp8_rows * cols + 2 * bf16_rows * cols) + 4 * blocks
 
 
 def weight_bytes_per_device(cfg: ModelConfig, tp: int, dtype, weights: str = "bf16") -> dict[str, int]:
