@@ -251,7 +251,8 @@ def _interleave_qkvz_ba(cfg, q, k, v, z, b, a) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _vision_tensors(vc: dict[str, Any], rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """A tiny vision tower under `model.visual.` with transformers' names (text-only inference skips it)."""
+    """A tiny vision tower under `model.visual.` with transformers' names and layouts (qnext/vision runs it), every
+    parameter random: LayerNorm scales around 1, matrices scaled by fan-in so the tower's output is not tiny."""
     hv, inter, merged = vc["hidden_size"], vc["intermediate_size"], vc["hidden_size"] * vc["spatial_merge_size"] ** 2
     shapes = {
         "patch_embed.proj.weight": (hv, vc["in_channels"], vc["temporal_patch_size"], *[vc["patch_size"]] * 2),
@@ -270,7 +271,15 @@ def _vision_tensors(vc: dict[str, Any], rng: np.random.Generator) -> dict[str, n
             b + "mlp.linear_fc1.weight": (inter, hv), b + "mlp.linear_fc1.bias": (inter,),
             b + "mlp.linear_fc2.weight": (hv, inter), b + "mlp.linear_fc2.bias": (hv,),
         })
-    return {"model.visual." + k: (0.05 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
+    def draw(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name.endswith("norm1.weight") or name.endswith("norm2.weight") or name.endswith("norm.weight"):
+            return (1.0 + 0.2 * rng.standard_normal(shape)).astype(np.float32)     # LayerNorm scale: around 1
+        if name == "pos_embed.weight":
+            return (0.5 * rng.standard_normal(shape)).astype(np.float32)
+        fan_in = int(np.prod(shape[1:])) if len(shape) > 1 else 16
+        return (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
+
+    return {"model.visual." + k: draw(k, s) for k, s in shapes.items()}
 
 
 # ---- files ---------------------------------------------------------------------------------------------------------
