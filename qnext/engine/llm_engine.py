@@ -33,6 +33,8 @@ from qnext.engine.runner import ModelRunner
 from qnext.engine.scheduler import Scheduler
 from qnext.engine.sequence import Sequence
 from qnext.engine.stats import EngineStats
+from qnext.engine.visual_encoder import VisionSetup, VisualEncoder
+from qnext.engine.visual_intake import load_vision_setup, visual_prompt
 from qnext.model.buckets import BucketTable
 from qnext.model.checkpoint import load_checkpoint
 from qnext.model.loader import checkpoint_files
@@ -75,7 +77,8 @@ class LLMEngine:
         if config.prefix_cache_dir is not None and config.enable_prefix_caching:
             self._weights_digest = files_digest_memoized(checkpoint_files(model),
                                                          Path(config.prefix_cache_dir) / WEIGHTS_DIGEST_MEMO)
-        self._start(config, checkpoint.config, checkpoint.params, tokenizer, checkpoint.mtp, drafter)
+        self._start(config, checkpoint.config, checkpoint.params, tokenizer, checkpoint.mtp, drafter,
+                    load_vision_setup(model, config.dtype))
 
     @classmethod
     def from_params(cls, cfg: ModelConfig, params, tokenizer: Tokenizer | None = None, **options) -> "LLMEngine":
@@ -110,7 +113,7 @@ class LLMEngine:
         self._weights_digest = None          # a persisted cache is bound to the new weights (digest at close)
 
     def _start(self, config: EngineConfig, cfg: ModelConfig, params, tokenizer: Tokenizer | None, mtp=None,
-               drafter=Drafter) -> None:
+               drafter=Drafter, vision: VisionSetup | None = None) -> None:
         """mtp: the MTP head's params when the engine speculates; drafter(cfg, mtp, config) makes the runner's
         Drafter (engine option `drafter`: a subclass drafts otherwise, e.g. qnext/bench/oracle_drafts.py)."""
         cfg = cfg.with_backend()             # kernels and layouts chosen once, for every layer and step
@@ -126,8 +129,10 @@ class LLMEngine:
                               prefill_chunk=config.resolved_prefill_chunk(cfg.backend),
                               max_prefill_groups_extra=config.max_prefill_groups_extra)
         self.stats = EngineStats()
+        self.vision = vision                 # the checkpoint's tower (None: text only; docs/vision.md)
+        self.visual_encoder = VisualEncoder(vision, config.encoder_cache_bytes) if vision is not None else None
         self.runner = ModelRunner(cfg, params, config, buckets, self.stats,
-                                  None if mtp is None else drafter(cfg, mtp, config))
+                                  None if mtp is None else drafter(cfg, mtp, config), self.visual_encoder)
         self._weight_update = WeightUpdate(cfg, config.dtype, config.tensor_parallel_size)
         self.cache_sizes = cache_sizes(cfg, config, self.max_model_len, self.runner.activation_bytes)
         persisted = config.prefix_cache_dir is not None and config.enable_prefix_caching
@@ -191,12 +196,18 @@ class LLMEngine:
             raise RuntimeError("the engine is closed; start a new one (with the same prefix_cache_dir to reuse its "
                                "cache)")
         params = params or SamplingParams()
-        text, token_ids = self.tokenize(prompt)
+        visuals = None
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            text, token_ids, visuals = visual_prompt(prompt, self.tokenizer, self.vision)
+        else:
+            text, token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = [int(t) for t in token_ids]
         samples = [self._sample_sequence(request_id, token_ids, text, params, i) for i in range(params.n)]
+        for sample in samples:
+            sample.visuals = visuals
         seq = samples[0]
         if params.n > 1:          # one admission and prefill; the others are forked after it (docs/engine.md)
             for sample in samples:

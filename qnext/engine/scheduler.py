@@ -133,7 +133,8 @@ class Scheduler:
             forks = len(seq.pending_forks)      # n > 1: rows and blocks for the other samples come with it
             if len(self.running) + 1 + forks > self.config.max_num_seqs:
                 break
-            admission = self.cache.admit(seq.request_id, seq.token_ids, num_forks=forks, turn_starts=seq.turn_starts)
+            admission = self.cache.admit(seq.request_id, seq.token_ids, num_forks=forks, turn_starts=seq.turn_starts,
+                                         images=seq.visuals.spans if seq.visuals is not None else ())
             if admission is None:
                 break
             w = self._work(seq, admission.num_cached_tokens, budget)
@@ -188,6 +189,7 @@ class Scheduler:
         if self.config.num_scheduler_steps < 2:
             return False
         return all(w.num_tokens == 1 and w.end == w.seq.num_tokens and w.start >= len(w.seq.prompt_token_ids)
+                   and w.seq.visuals is None          # its positions carry the MRoPE delta, laid out per step
                    and stateless(w.seq.params, len(w.seq.output_token_ids), self.eos_token_ids, self.vocab_size)
                    for w in work)
 
@@ -199,7 +201,8 @@ class Scheduler:
         k = self.config.num_speculative_tokens
         if self.config.speculation_disabled_at(len(work)):
             return False
-        return bool(k) and all(len(w.seq.draft_token_ids) == k and not w.seq.pending_forks for w in work) and all(
+        return bool(k) and all(len(w.seq.draft_token_ids) == k and not w.seq.pending_forks and w.seq.visuals is None
+                               for w in work) and all(
             w.num_tokens == 1 and w.end == w.seq.num_tokens and w.start >= len(w.seq.prompt_token_ids)
             and stateless(w.seq.params, len(w.seq.output_token_ids), self.eos_token_ids, self.vocab_size,
                           penalties_ok=True, logprobs_ok=True)
