@@ -45,7 +45,8 @@ def attention_output(p, attended, gate, dtype):
 
 def full_attention(p, x, kv, inputs: StepInputs, cfg: ModelConfig):
     """x: [T, H]; kv: (k_pages, v_pages). Returns (out [T, H], kv)."""
-    q, gate, k, v = attention_inputs(p, x, inputs.positions, cfg)
+    rope_positions = inputs.positions if inputs.rope_positions is None else inputs.rope_positions
+    q, gate, k, v = attention_inputs(p, x, rope_positions, cfg)
     k_pages, v_pages = ops.write_kv(*kv, k, v, inputs.slot_mapping, implementation=cfg.kernels)
 
     def attend(q_groups, groups):

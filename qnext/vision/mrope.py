@@ -19,6 +19,8 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
+DEFAULT_MROPE_SECTION = (11, 11, 10)
+
 
 def mrope_positions(token_ids: Sequence[int], visual_grids: Sequence[tuple[int, int, int]], image_token_id: int,
                     video_token_id: int, spatial_merge_size: int, start: int = 0) -> np.ndarray:
