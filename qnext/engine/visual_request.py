@@ -48,6 +48,10 @@ class SequenceVisuals:
         return tuple(ImageSpan(r.start, r.length, bytes.fromhex(self.inputs[r.input_index].content_hash))
                      for r in self.runs)
 
+    def as_data(self) -> dict:
+        """The inputs as a prompt dict's `multi_modal_data` (preprocessed: intake takes them as they are)."""
+        return {kind: [v for v in self.inputs if v.kind == kind] for kind in ("image", "video")}
+
     def rope_positions(self, start: int, end: int) -> np.ndarray:
         """[3, end - start] positions of tokens [start, end): the prompt's own, then text past it."""
         prompt_len = self.positions.shape[1]
