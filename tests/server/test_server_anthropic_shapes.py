@@ -43,7 +43,8 @@ def test_history_with_thinking_tool_use_and_results():
                          "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
         {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: no such city"},
-        {"role": "tool", "tool_call_id": "toolu_3", "content": "[image omitted: this model reads text only]"},
+        {"role": "tool", "tool_call_id": "toolu_3",           # the image travels as an OpenAI image_url part
+         "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]},
         {"role": "user", "content": "And tomorrow?"}]
     assert inputs.tools == [{"type": "function", "function": {
         "name": "weather", "description": "Weather now",

@@ -25,3 +25,16 @@ def write_vision_checkpoint(out_dir: Path, family: str = "qwen3_5", tokenizer: s
 def picture(seed: int, width: int = 32, height: int = 32) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def data_url(image: Image.Image, fmt: str = "PNG") -> str:
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    return f"data:image/{fmt.lower()};base64,{base64.b64encode(buffer.getvalue()).decode()}"
+
+
+def png_base64(image: Image.Image) -> str:
+    return data_url(image).split(",", 1)[1]
