@@ -10,6 +10,7 @@ import numpy as np
 from cache import CacheConfig
 from qnext.engine.cache_setup import CacheSetup
 from qnext.engine.config import EngineConfig
+from qnext.engine.engine_cache import EngineCache
 from qnext.engine.plan import SampledToken, StepResult
 from qnext.engine.scheduler import Scheduler
 from qnext.engine.sequence import Sequence
@@ -42,8 +43,8 @@ def scheduler(num_blocks: int) -> Scheduler:
     config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=BUDGET, block_size=BS, max_model_len=32768)
     buckets = BucketTable(max_num_seqs=4, max_num_batched_tokens=BUDGET, max_blocks=32768 // BS, prefill_chunk=32,
                           max_prefill_groups_extra=8)
-    cache = CacheSetup(CacheConfig(block_size=BS, num_blocks=num_blocks, num_live_slots=4, num_snapshot_slots=8),
-                       buffers=object())
+    cache = EngineCache(CacheSetup(CacheConfig(block_size=BS, num_blocks=num_blocks, num_live_slots=4,
+                                               num_snapshot_slots=8), buffers=object()), host_buffers=None)
     return Scheduler(config, cache, buckets, eos_token_ids=[0], vocab_size=1024, max_model_len=32768)
 
 
