@@ -108,9 +108,9 @@ def dense_hidden(params, input_ids, attention_mask, cfg: ModelConfig, visual_emb
     return h, linear(h, params["lm_head"], preferred_element_type=jnp.float32)
 
 
-def dense_forward(params, input_ids, attention_mask, cfg: ModelConfig):
-    """Logits [B, T, V] float32 of dense_hidden."""
-    return dense_hidden(params, input_ids, attention_mask, cfg)[1]
+def dense_forward(params, input_ids, attention_mask, cfg: ModelConfig, **visual):
+    """Logits [B, T, V] float32 of dense_hidden (visual: its visual_embeds, visual_mask, rope_positions)."""
+    return dense_hidden(params, input_ids, attention_mask, cfg, **visual)[1]
 
 
 def place_visual_embeds(x, visual_embeds, visual_mask):

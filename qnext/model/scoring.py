@@ -50,7 +50,9 @@ class Model:
                       write_row=1, all_logits=True)
         inputs = build_step_inputs([seg], sizes, block_size=SCORING_BLOCK_SIZE, chunk=SCORING_CHUNK)
         if rope_positions is not None or visual_embeds is not None:
-            inputs = with_visual_inputs(inputs, rope_positions, visual_embeds, visual_token_index)
+            # visual rows padded to the token bucket: one compilation per bucket, whatever the image sizes
+            inputs = with_visual_inputs(inputs, rope_positions, visual_embeds, visual_token_index,
+                                        num_visual_rows=sizes.num_tokens)
         logits, _ = self._step(self.params, buffers, inputs)
         return np.asarray(logits[:n])
 

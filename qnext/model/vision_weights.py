@@ -109,3 +109,22 @@ def _visual_tensor_files(path: Path) -> list[Path]:
             if any(name.startswith(PREFIX) for name in handle.keys()):
                 out.append(f)
     return out
+
+
+def to_hf_vision_tensors(params: dict[str, Any], cfg: VisionConfig) -> dict[str, np.ndarray]:
+    """The inverse of load_vision_params: HF names (`model.visual.*`) and layouts, as numpy arrays."""
+    out: dict[str, np.ndarray] = {}
+
+    def walk(spec, value):
+        if isinstance(spec, dict):
+            for k in spec:
+                walk(spec[k], value[k])
+        elif isinstance(spec, tuple) and spec and isinstance(spec[0], dict):
+            for s, v in zip(spec, value):
+                walk(s, v)
+        else:
+            name, shape = spec
+            out[PREFIX + name] = np.asarray(value).reshape(shape)
+
+    walk(vision_param_shapes(cfg), params)
+    return out
