@@ -87,7 +87,7 @@ def test_text_only_traffic_hits_as_without_a_tower(llm, paths):
     prompts = [{"prompt_token_ids": base + rng.integers(10, 400, k).tolist()} for k in (3, 20, 35)]
     cached = []
     for engine in (llm, text_llm):
-        engine.engine.scheduler.clear_prefix_cache()
+        engine.engine.cache.manager.clear_prefix_cache()
         cached.append([engine.generate(p, GREEDY)[0].num_cached_tokens for p in prompts])
     assert cached[0] == cached[1] and sum(cached[0]) > 0
 
