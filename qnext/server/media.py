@@ -32,7 +32,7 @@ FETCH_TIMEOUT_SECONDS = 10
 class MediaLimits:
     max_images: int = 16                   # images per request
     max_videos: int = 1                    # videos per request
-    max_image_bytes: int = 20 << 20        # encoded bytes of one image (or one video frame)
+    max_image_bytes: int = 10 << 20        # encoded bytes of one image (or one video frame)
     max_image_pixels: int = 4096 * 4096    # decoded width x height of one image (or frame)
     max_video_frames: int = 128
     allow_urls: bool = False               # fetch http(s) URLs (off: only data URLs)

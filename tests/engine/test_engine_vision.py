@@ -9,7 +9,7 @@ import pytest
 
 import qnext
 from qnext import SamplingParams
-from tests.support.vision_checkpoint import picture, write_vision_checkpoint
+from tests.support.vision_checkpoint import picture, without_tower, write_vision_checkpoint
 
 BS = 16
 ENGINE = dict(max_num_seqs=2, max_num_batched_tokens=128, max_model_len=512, block_size=BS,
@@ -32,14 +32,25 @@ def logprobs(out) -> np.ndarray:
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
     vlm = write_vision_checkpoint(tmp_path_factory.mktemp("vlm"), seed=3)
-    text_only = qnext.testing.tiny_checkpoint.write_tiny_checkpoint(tmp_path_factory.mktemp("text"), "qwen3_5",
-                                                                   seed=3)
-    return vlm, text_only
+    return vlm, without_tower(vlm, tmp_path_factory.mktemp("text"))
 
 
 @pytest.fixture(scope="module")
 def llm(paths):
     return qnext.LLM(paths[0], **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def cold_split_llm(paths):
+    """No prefix cache and a 24-token step budget: every prompt cold, every picture split over prefill steps."""
+    return qnext.LLM(paths[0], **dict(ENGINE, enable_prefix_caching=False, max_num_batched_tokens=24))
+
+
+@pytest.fixture(scope="module")
+def text_llm(paths):
+    text_llm = qnext.LLM(paths[1], **ENGINE)
+    assert text_llm.engine.vision is None
+    return text_llm
 
 
 def test_other_picture_reuses_only_the_text_and_answers_differently(llm):
@@ -51,10 +62,10 @@ def test_other_picture_reuses_only_the_text_and_answers_differently(llm):
         np.abs(logprobs(first) - logprobs(other)).max() > 1e-3
 
 
-def test_same_picture_reuses_the_whole_prefix_and_answers_as_cold(llm, paths):
+def test_same_picture_reuses_the_whole_prefix_and_answers_as_cold(llm, cold_split_llm):
     prompt = image_prompt(list(range(100, 137)), [picture(5, 48, 32)], [70, 71, 72], tokens_per_image=24)
     runs_before = llm.engine.visual_encoder.stats.num_tower_runs
-    cold = qnext.LLM(paths[0], enable_prefix_caching=False, **ENGINE).generate(prompt, GREEDY)[0]
+    cold = cold_split_llm.generate(prompt, GREEDY)[0]
     llm.generate(prompt, GREEDY)
     warm = llm.generate(prompt, GREEDY)[0]
     n = len(prompt["prompt_token_ids"])
@@ -80,8 +91,7 @@ def test_growing_chat_with_two_pictures_a_turn_reuses_the_previous_prompt(llm):
         previous_len = len(ids)
 
 
-def test_text_only_traffic_hits_as_without_a_tower(llm, paths):
-    text_llm = qnext.LLM(paths[1], **ENGINE)
+def test_text_only_traffic_hits_as_without_a_tower(llm, text_llm):
     rng = np.random.default_rng(0)
     base = rng.integers(10, 400, 70).tolist()
     prompts = [{"prompt_token_ids": base + rng.integers(10, 400, k).tolist()} for k in (3, 20, 35)]
@@ -92,15 +102,14 @@ def test_text_only_traffic_hits_as_without_a_tower(llm, paths):
     assert cached[0] == cached[1] and sum(cached[0]) > 0
 
 
-def test_a_picture_split_over_prefill_steps_gives_the_one_step_result(llm, paths):
+def test_a_picture_split_over_prefill_steps_gives_the_one_step_result(llm, cold_split_llm):
     prompt = image_prompt([7, 8, 9], [picture(9, 64, 64)], [11, 12], tokens_per_image=64)
     one_step = llm.generate(prompt, GREEDY)[0]
-    split = qnext.LLM(paths[0], **dict(ENGINE, max_num_batched_tokens=24)).generate(prompt, GREEDY)[0]
+    split = cold_split_llm.generate(prompt, GREEDY)[0]
     assert split.outputs[0].token_ids == one_step.outputs[0].token_ids
     np.testing.assert_allclose(logprobs(split), logprobs(one_step), atol=1e-4)
 
 
-def test_text_only_checkpoint_refuses_a_picture_saying_why(paths):
-    text_llm = qnext.LLM(paths[1], **ENGINE)
+def test_text_only_checkpoint_refuses_a_picture_saying_why(text_llm):
     with pytest.raises(ValueError, match="no vision tower"):
         text_llm.generate(image_prompt([1, 2, 3], [picture(1)], [4]), GREEDY)

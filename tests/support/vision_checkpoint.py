@@ -38,3 +38,18 @@ def data_url(image: Image.Image, fmt: str = "PNG") -> str:
 
 def png_base64(image: Image.Image) -> str:
     return data_url(image).split(",", 1)[1]
+
+
+def without_tower(vlm_path: Path, out_dir: Path) -> Path:
+    """A copy of a vision-language checkpoint with its `model.visual.*` tensors removed: the same text model (and the
+    same model config, so engines share compilations) with no tower."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    out_dir = Path(out_dir)
+    shutil.copytree(vlm_path, out_dir, dirs_exist_ok=True)
+    tensors = load_file(str(out_dir / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if not k.startswith("model.visual.")},
+              str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
