@@ -54,7 +54,8 @@ def _image_part(block: dict, where: str) -> dict:
         _require(isinstance(source.get("url"), str), f"{where}.source.url must be a string", f"{where}.source")
         url = source["url"]
     else:
-        raise bad_request(f"{where}.source.type must be 'base64' or 'url', got {kind!r}", f"{where}.source")
+        raise bad_request(f"{where}.source.type of an image block must be 'base64' or 'url', got {kind!r}",
+                          f"{where}.source")
     return {"type": "image_url", "image_url": {"url": url}}
 
 
