@@ -79,9 +79,11 @@ DEFAULT_VIDEO_CONFIG = VisionPreprocessConfig(min_pixels=4096, max_pixels=251658
 
 
 def load_preprocess_configs(path: str | Path) -> tuple[VisionPreprocessConfig, VisionPreprocessConfig]:
-    """(image config, video config) of a checkpoint directory. The video file falls back on the image file's
-    values (patch sizes, mean / std) and then on the video defaults."""
+    """(image config, video config) of a checkpoint directory. Patch sizes default to the tower's (config.json's
+    vision_config), the rest to Qwen3.5's defaults; the video file falls back on the image file's values (patch
+    sizes, mean / std) and then on the video defaults. ValueError when a file's patch sizes contradict the tower."""
     path = Path(path)
+    tower = _tower_patch_sizes(path)
 
     def read(name: str) -> dict[str, Any] | None:
         f = path / name
@@ -93,11 +95,28 @@ def load_preprocess_configs(path: str | Path) -> tuple[VisionPreprocessConfig, V
             raise ValueError(f"{f} is not valid JSON: {e}") from None
 
     image_json, video_json = read(IMAGE_CONFIG_FILE), read(VIDEO_CONFIG_FILE)
-    image = VisionPreprocessConfig.from_hf(image_json) if image_json else DEFAULT_IMAGE_CONFIG
-    video_base = DEFAULT_VIDEO_CONFIG
-    if image_json:
-        shared = {k: image_json[k] for k in ("patch_size", "temporal_patch_size", "merge_size", "image_mean",
-                                             "image_std", "rescale_factor") if k in image_json}
-        video_base = VisionPreprocessConfig.from_hf(shared, DEFAULT_VIDEO_CONFIG)
+    image_base = VisionPreprocessConfig.from_hf(tower, DEFAULT_IMAGE_CONFIG)
+    image = VisionPreprocessConfig.from_hf(image_json, image_base) if image_json else image_base
+    shared = {k: (image_json or {})[k] for k in ("patch_size", "temporal_patch_size", "merge_size", "image_mean",
+                                                 "image_std", "rescale_factor") if k in (image_json or {})}
+    video_base = VisionPreprocessConfig.from_hf({**tower, **shared}, DEFAULT_VIDEO_CONFIG)
     video = VisionPreprocessConfig.from_hf(video_json, video_base) if video_json else video_base
+    for name, cfg in ((IMAGE_CONFIG_FILE, image), (VIDEO_CONFIG_FILE, video)):
+        for key, value in tower.items():
+            if getattr(cfg, key) != value:
+                raise ValueError(f"{path / name} has {key} {getattr(cfg, key)}; the checkpoint's vision tower "
+                                 f"(config.json vision_config) has {value}")
     return image, video
+
+
+def _tower_patch_sizes(path: Path) -> dict[str, int]:
+    """patch_size, temporal_patch_size, merge_size of config.json's vision_config (empty without a tower)."""
+    f = path / "config.json"
+    if not f.is_file():
+        return {}
+    vision = json.loads(f.read_text()).get("vision_config")
+    if not isinstance(vision, dict):
+        return {}
+    names = {"patch_size": "patch_size", "temporal_patch_size": "temporal_patch_size",
+             "merge_size": "spatial_merge_size"}
+    return {ours: vision[theirs] for ours, theirs in names.items() if isinstance(vision.get(theirs), int)}

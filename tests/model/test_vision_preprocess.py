@@ -119,3 +119,18 @@ def test_bad_inputs_are_named():
         preprocess_image(random_image(2, 500), TINY)
     with pytest.raises(ValueError, match="differ in size"):
         preprocess_video([random_image(24, 40), random_image(40, 24)], 2.0, TINY)
+
+
+def test_tiny_checkpoints_carry_their_towers_preprocessing(tiny_checkpoint, tmp_path):
+    from qnext.testing.tiny_checkpoint import write_tiny_checkpoint
+
+    path = tiny_checkpoint("qwen3_5", vlm=True)
+    image, video = load_preprocess_configs(path)
+    assert (image.patch_size, video.patch_size, image.max_pixels) == (4, 4, 64 * 64)
+    assert preprocess_image(random_image(37, 53), image).pixel_values.shape[1] == 3 * 2 * 4 * 4
+    wrong = write_tiny_checkpoint(tmp_path, "qwen3_5", vlm=True)
+    (wrong / "preprocessor_config.json").write_text(json.dumps({"patch_size": 16}))
+    with pytest.raises(ValueError, match="patch_size 16; the checkpoint's vision tower"):
+        load_preprocess_configs(wrong)
+    (wrong / "preprocessor_config.json").unlink()
+    assert load_preprocess_configs(wrong)[0].patch_size == 4          # the tower's, without a file

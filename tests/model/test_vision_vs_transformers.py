@@ -34,6 +34,7 @@ class VL:
         self.vision_params = load_vision_params(path)
         self.cfg, self.ids = vision_configs(json.loads((path / "config.json").read_text()))
         self.rng = np.random.default_rng(11)
+        self.family = family
 
     def image(self, h, w):
         return preprocess_image(Image.fromarray(self.rng.integers(0, 256, (h, w, 3), dtype=np.uint8)), TINY)
@@ -134,3 +135,41 @@ def test_the_image_changes_the_logits_after_it_only(vl):
     np.testing.assert_allclose(a[:len(before) + 1], b[:len(before) + 1], atol=1e-6)   # through <|vision_start|>
     assert np.abs(a[-1] - b[-1]).max() > 1e-3
 
+
+
+def test_decode_after_an_image_runs_at_token_index_plus_delta(vl):
+    """The engine's contract: prefill with the prompt's 3-D positions, then each decoded token at its token index
+    + position_delta (1-D rope positions; the state and KV carried in the cache buffers) gives the logits
+    transformers computes for the whole sequence."""
+    if vl.family != "qwen3_5":
+        pytest.skip("the decode contract is the same for both families; the dense one checks it")
+    from qnext.model.cache_buffers import model_cache_buffers
+    from qnext.model.forward import make_step
+    from qnext.model.step_inputs import LayoutSizes, Segment, build_step_inputs
+    from qnext.model.visual_inputs import with_visual_inputs
+
+    image = vl.image(37, 53)
+    prompt = vl.text(7) + vl.wrap(vl.ids.image_token_id, image.num_tokens) + vl.text(5)
+    continuation = vl.text(4)
+    ref, _, _ = vl.reference(prompt + continuation, [image])
+    visual = visual_prompt(prompt, [image], vl.ids, vl.cfg)
+    embeds = encode_visuals(vl.vision_params, [image], vl.cfg)
+
+    cfg, block_size, chunk, blocks = vl.model.config, 16, 32, list(range(1, 9))
+    step = make_step(cfg)
+    buffers = model_cache_buffers(cfg, num_blocks=9, block_size=block_size, num_state_rows=2, dtype=np.float32)
+    seg = Segment(prompt, 0, blocks, read_row=-1, write_row=1)
+    inputs = build_step_inputs([seg], LayoutSizes(64, 0, 2, 8, 1), block_size=block_size, chunk=chunk)
+    inputs = with_visual_inputs(inputs, visual.rope_positions, embeds, visual.token_index, num_visual_rows=64)
+    logits, buffers = step(vl.model.params, buffers, inputs)
+    rows = [np.asarray(logits[0])]
+    for i, token in enumerate(continuation[:-1]):
+        index = len(prompt) + i
+        seg = Segment([token], index, blocks, read_row=1, write_row=1)
+        inputs = build_step_inputs([seg], LayoutSizes(1, 1, 0, 8, 1), block_size=block_size, chunk=chunk)
+        inputs = inputs.replace(rope_positions=np.full(1, index + visual.position_delta, np.int32))
+        logits, buffers = step(vl.model.params, buffers, inputs)
+        rows.append(np.asarray(logits[0]))
+    ours = np.stack(rows)
+    expected = ref[len(prompt) - 1:len(prompt) + len(continuation) - 1]
+    assert np.abs(ours - expected).max() < TOLERANCE, f"max |diff| {np.abs(ours - expected).max()}"

@@ -62,3 +62,14 @@ def test_vision_config_from_hf():
         VisionConfig.from_hf({"num_position_embeddings": 2300})
     with pytest.raises(ValueError, match="hidden_act"):
         VisionConfig.from_hf({"hidden_act": "relu"})
+
+
+def test_load_checkpoint_brings_the_tower_when_asked(tiny_checkpoint):
+    from qnext.model.checkpoint import load_checkpoint
+
+    vl = tiny_checkpoint("qwen3_5", vlm=True)
+    assert load_checkpoint(vl).vision is None                                   # text-only use: not loaded
+    tower = load_checkpoint(vl, with_vision=True).vision
+    np.testing.assert_array_equal(np.asarray(tower["blocks"][0]["qkv_weight"]),
+                                  load_vision_params(vl)["blocks"][0]["qkv_weight"])
+    assert load_checkpoint(tiny_checkpoint("qwen3_5"), with_vision=True).vision is None
