@@ -1,8 +1,7 @@
-"""Tiny Qwen3.5 vision-language checkpoints for the serving tests: the tiny tower (patch 4, merge 2) with a
-preprocessor config sized for it, and pictures made of random pixels."""
+"""Tiny Qwen3.5 vision-language checkpoints for the serving tests (the tiny tower: patch 4, merge 2, pictures of
+64..4096 pixels, so a 32x32 picture is 16 tokens), pictures made of random pixels, and data URLs of them."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -10,16 +9,9 @@ from PIL import Image
 
 from qnext.testing.tiny_checkpoint import write_tiny_checkpoint
 
-# 8-pixel merged patches; 64..4096 pixels: a 32x32 picture is 8x8 patches, 16 tokens
-TINY_PREPROCESSOR = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 64,
-                     "max_pixels": 64 * 64, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
-
 
 def write_vision_checkpoint(out_dir: Path, family: str = "qwen3_5", tokenizer: str = "tiny", **kwargs) -> Path:
-    path = write_tiny_checkpoint(out_dir, family, vlm=True, tokenizer=tokenizer, **kwargs)
-    if not (path / "preprocessor_config.json").is_file():
-        (path / "preprocessor_config.json").write_text(json.dumps(TINY_PREPROCESSOR))
-    return path
+    return write_tiny_checkpoint(out_dir, family, vlm=True, tokenizer=tokenizer, **kwargs)
 
 
 def picture(seed: int, width: int = 32, height: int = 32) -> Image.Image:
