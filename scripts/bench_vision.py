@@ -29,12 +29,12 @@ def measure(path: Path, options: dict, shape: ChatShape) -> dict:
 
     engine = LLMEngine(path, **options)
     run_chat(engine, shape, seed=0)                  # compiles every shape; its pictures are not reused below
-    tower, cache = engine.visual_encoder.stats, engine.visual_encoder.cache.stats
-    runs, seconds, hits, misses = tower.num_tower_runs, tower.tower_seconds, cache.hits, cache.misses
+    stats = engine.stats
+    runs, seconds, hits = stats.num_tower_runs, stats.tower_seconds, stats.num_encoder_cache_hits
     turns = run_chat(engine, shape, seed=1)
-    runs = tower.num_tower_runs - runs
-    return {"turns": turns, "tower_runs": runs, "tower_ms_per_image": 1e3 * (tower.tower_seconds - seconds) / max(1, runs),
-            "encoder_cache_hits": cache.hits - hits, "encoder_cache_misses": cache.misses - misses}
+    runs = stats.num_tower_runs - runs
+    return {"turns": turns, "tower_runs": runs, "tower_ms_per_image": 1e3 * (stats.tower_seconds - seconds) / max(1, runs),
+            "encoder_cache_hits": stats.num_encoder_cache_hits - hits}
 
 
 def main() -> None:

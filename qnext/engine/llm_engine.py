@@ -125,7 +125,7 @@ class LLMEngine:
                               max_prefill_groups_extra=config.max_prefill_groups_extra)
         self.stats = EngineStats()
         self.vision = vision                 # the checkpoint's tower (None: text only; docs/vision.md)
-        self.visual_encoder = VisualEncoder(vision, config.encoder_cache_bytes) if vision is not None else None
+        self.visual_encoder = VisualEncoder(vision, config.encoder_cache_bytes, self.stats) if vision else None
         self.runner = ModelRunner(cfg, params, config, buckets, self.stats,
                                   None if mtp is None else drafter(cfg, mtp, config), self.visual_encoder)
         self._weight_update = WeightUpdate(cfg, config.dtype, config.tensor_parallel_size)

@@ -17,6 +17,7 @@ import numpy as np
 
 from cache.encoder_cache import EncoderCache
 from qnext.engine.plan import ScheduledSequence
+from qnext.engine.stats import EngineStats
 from qnext.model.step_inputs import StepInputs
 from qnext.model.visual_inputs import with_visual_inputs
 from qnext.vision.config import VisionConfig, VisionTokenIds
@@ -25,17 +26,6 @@ from qnext.vision.preprocess_config import VisionPreprocessConfig
 from qnext.vision.tower import make_encode
 
 MIN_VISUAL_ROWS = 16       # visual rows of a step are padded to a power of two at least this (one compile each)
-
-
-@dataclasses.dataclass
-class TowerStats:
-    num_tower_runs: int = 0          # pictures encoded (each miss of the encoder cache)
-    tower_seconds: float = 0.0       # wall time of those runs, to the device result
-    num_visual_tokens: int = 0       # pad tokens given the tower's output in steps
-
-    @property
-    def seconds_per_run(self) -> float:
-        return self.tower_seconds / self.num_tower_runs if self.num_tower_runs else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,17 +39,20 @@ class VisionSetup:
 
 
 class VisualEncoder:
-    def __init__(self, setup: VisionSetup, encoder_cache_bytes: int):
+    def __init__(self, setup: VisionSetup, encoder_cache_bytes: int, stats: EngineStats):
+        """stats: the engine's counters, where the tower runs, their time and the encoder cache's hits go."""
         self.setup = setup
         self.cache = EncoderCache(encoder_cache_bytes)
-        self.stats = TowerStats()
+        self.stats = stats
         self._encode = make_encode(setup.config)
 
     def embeddings(self, item: VisualInput):
         """[num_tokens, text hidden] tower output of one picture: from the encoder cache, or the tower now."""
         key = bytes.fromhex(item.content_hash)
         out = self.cache.get(key)
-        if out is None:
+        if out is not None:
+            self.stats.num_encoder_cache_hits += 1
+        else:
             t0 = time.perf_counter()
             out = jax.block_until_ready(self._encode(self.setup.params, jnp.asarray(item.pixel_values),
                                                      item.grid_thw))

@@ -64,7 +64,7 @@ def test_other_picture_reuses_only_the_text_and_answers_differently(llm):
 
 def test_same_picture_reuses_the_whole_prefix_and_answers_as_cold(llm, cold_split_llm):
     prompt = image_prompt(list(range(100, 137)), [picture(5, 48, 32)], [70, 71, 72], tokens_per_image=24)
-    runs_before = llm.engine.visual_encoder.stats.num_tower_runs
+    runs_before = llm.engine.stats.num_tower_runs
     cold = cold_split_llm.generate(prompt, GREEDY)[0]
     llm.generate(prompt, GREEDY)
     warm = llm.generate(prompt, GREEDY)[0]
@@ -72,7 +72,7 @@ def test_same_picture_reuses_the_whole_prefix_and_answers_as_cold(llm, cold_spli
     assert warm.num_cached_tokens == (n - 1) // BS * BS
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
     np.testing.assert_allclose(logprobs(warm), logprobs(cold), atol=1e-5)
-    assert llm.engine.visual_encoder.stats.num_tower_runs == runs_before + 1   # the second run read the cache
+    assert llm.engine.stats.num_tower_runs == runs_before + 1   # the second run read the cache
 
 
 def test_growing_chat_with_two_pictures_a_turn_reuses_the_previous_prompt(llm):

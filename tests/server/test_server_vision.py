@@ -5,7 +5,10 @@ an Anthropic image inside a tool_result reaches the tower, a video as frames run
 that are no image, too many images and too many pixels are 400s that say which, and the server keeps serving."""
 from __future__ import annotations
 
+import re
+
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -46,15 +49,22 @@ def image_message(seed: int, text: str = "What is in this picture?") -> dict:
                                         {"type": "text", "text": text}]}
 
 
-def test_chat_reads_a_picture_and_the_same_picture_hits_the_cache(oai):
+def tower_runs(server) -> float:
+    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    return float(re.search(r"^qnext:vision_tower_runs_total\{[^}]*\} (\S+)$", text, re.M).group(1))
+
+
+def test_chat_reads_a_picture_and_the_same_picture_hits_the_cache(oai, server):
     text_only = oai.chat.completions.create(model=MODEL, max_tokens=4, messages=[
         {"role": "user", "content": "What is in this picture?"}])
     first = oai.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, messages=[image_message(1)])
     # the placeholder: <|vision_start|> + 16 pads + <|vision_end|>
     assert first.usage.prompt_tokens == text_only.usage.prompt_tokens + TOKENS_PER_PICTURE + 2
+    runs = tower_runs(server)
     again = oai.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, messages=[image_message(1)])
     assert again.usage.prompt_tokens_details.cached_tokens >= TOKENS_PER_PICTURE
     assert again.choices[0].message.content == first.choices[0].message.content
+    assert runs >= 1 and tower_runs(server) == runs          # the picture is not encoded again
 
 
 def test_chat_streamed_with_two_pictures(oai):
