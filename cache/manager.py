@@ -102,9 +102,8 @@ class CacheManager:
         """None when no slot or not enough blocks: the cache is then left exactly as it was (retry later).
         num_forks: live rows and blocks reserved for that many `fork`s after the prompt (cache/forks.py).
         turn_starts: where the prompt's chat turns begin (positions of `<|im_start|>`), for the capture policy.
-        images: the prompt's image spans (cache/image_keys.py): the blocks holding them key on each image's content
-        hash, and a snapshot is planned at the block boundary at or before each image's `<|vision_start|>` (the
-        token before the span), so the same text with another image reuses the text."""
+        images: the prompt's image spans: their blocks key on the images (cache/image_keys.py), and a snapshot is
+        planned at the boundary at or before each `<|vision_start|>` (the token before a span)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already admitted; free it first")
         n = len(prompt_token_ids)
