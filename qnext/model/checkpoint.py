@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from qnext.config import ModelConfig
+from qnext.model.host_devices import engine_devices
 from qnext.model.loader import convert_checkpoint, load_params
 from qnext.model.mtp import load_mtp_params
 from qnext.model.placement import place_params
 from qnext.model.tensor_parallel import parallel_config
 from qnext.model.vision_weights import load_vision_params
 from qnext.model.weights import as_dtype
-from qnext.model.host_devices import engine_devices
 
 
 @dataclasses.dataclass(frozen=True)

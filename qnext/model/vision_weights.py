@@ -65,7 +65,6 @@ def load_vision_params(path: str | Path, dtype: Any = "float32", place=None) -> 
     files = _visual_tensor_files(path)
     if configs is None or not files:
         return None
-    cfg, dt = configs[0], as_dtype(dtype)
     from safetensors import safe_open
 
     arrays: dict[str, np.ndarray] = {}
@@ -74,6 +73,14 @@ def load_vision_params(path: str | Path, dtype: Any = "float32", place=None) -> 
             for name in handle.keys():
                 if name.startswith(PREFIX):
                     arrays[name[len(PREFIX):]] = handle.get_tensor(name)
+    return vision_params_from_tensors(arrays, configs[0], dtype, place, where=str(path))
+
+
+def vision_params_from_tensors(arrays: dict[str, np.ndarray], cfg: VisionConfig, dtype: Any = "float32", place=None,
+                               where: str = "the given tensors") -> dict[str, Any]:
+    """The params pytree from the tower's tensors named as under `model.visual.` (without the prefix), as a
+    transformers Qwen3_5VisionModel's state dict names them."""
+    dt = as_dtype(dtype)
     used: set[str] = set()
 
     def build(leaf):
@@ -83,12 +90,12 @@ def load_vision_params(path: str | Path, dtype: Any = "float32", place=None) -> 
             return tuple(build(v) for v in leaf)
         name, shape = leaf
         if name not in arrays:
-            raise CheckpointError(f"vision tensor {PREFIX + name!r} is missing from the checkpoint in {path}")
+            raise CheckpointError(f"vision tensor {PREFIX + name!r} is missing from {where}")
         if tuple(arrays[name].shape) != shape:
             raise CheckpointError(f"vision tensor {PREFIX + name!r} has shape {tuple(arrays[name].shape)}; the "
                                   f"vision_config expects {shape}")
         used.add(name)
-        arr = np.ascontiguousarray(arrays[name].reshape(shape[0], -1) if name == "patch_embed.proj.weight"
+        arr = np.ascontiguousarray(np.asarray(arrays[name]).reshape(shape[0], -1) if name == "patch_embed.proj.weight"
                                    else arrays[name], dtype=dt)
         return place(arr) if place is not None else arr
 

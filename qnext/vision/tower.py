@@ -29,7 +29,7 @@ from qnext.model.linear import linear
 from qnext.vision.config import VisionConfig
 from qnext.vision.grid_tables import position_embedding_taps, rotary_angles
 
-ATTENTION_QUERY_CHUNK = 2048   # longer frames attend chunk by chunk of queries: memory heads x chunk x frame
+ATTENTION_SCORES_BYTES = 1 << 30   # a frame's attention scores beyond this go chunk by chunk of queries
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -117,9 +117,20 @@ def _attention(block, x, cos, sin, grids, cfg: VisionConfig):
     return linear(out, block["proj_weight"]) + block["proj_bias"]
 
 
-def _frame_attention(q, k, v):
-    """q, k, v: [F, L, heads, d] -> [F, L, heads, d] float32, softmax(q k^T / sqrt(d)) v per frame."""
+def query_chunk(frames: int, length: int, heads: int, budget: int = ATTENTION_SCORES_BYTES) -> int:
+    """Queries per chunk so that one chunk's float32 scores [frames, heads, chunk, length] stay within `budget`
+    (a power of two >= 128), or `length` when the whole frame fits."""
+    if frames * heads * length * length * 4 <= budget:
+        return length
+    fit = budget // (frames * heads * length * 4)
+    return max(128, 1 << max(fit, 1).bit_length() - 1)
+
+
+def _frame_attention(q, k, v, chunk: int | None = None):
+    """q, k, v: [F, L, heads, d] -> [F, L, heads, d] float32, softmax(q k^T / sqrt(d)) v per frame, queries in
+    chunks of `chunk` (default: query_chunk's) run one after another."""
     length, d = q.shape[1], q.shape[-1]
+    chunk = chunk or query_chunk(q.shape[0], length, q.shape[2])
 
     def attend(q_chunk):
         scores = jnp.einsum("fqhd,fkhd->fhqk", q_chunk.astype(jnp.float32) * d ** -0.5, k.astype(jnp.float32),
@@ -127,11 +138,11 @@ def _frame_attention(q, k, v):
         probs = jax.nn.softmax(scores, axis=-1)
         return jnp.einsum("fhqk,fkhd->fqhd", probs, v.astype(jnp.float32), precision=_HIGHEST)
 
-    if length <= ATTENTION_QUERY_CHUNK:
+    if length <= chunk:
         return attend(q)
-    chunks = -(-length // ATTENTION_QUERY_CHUNK)
-    padded = jnp.pad(q, ((0, 0), (0, chunks * ATTENTION_QUERY_CHUNK - length), (0, 0), (0, 0)))
-    stacked = padded.reshape(q.shape[0], chunks, ATTENTION_QUERY_CHUNK, *q.shape[2:]).swapaxes(0, 1)
+    chunks = -(-length // chunk)
+    padded = jnp.pad(q, ((0, 0), (0, chunks * chunk - length), (0, 0), (0, 0)))
+    stacked = padded.reshape(q.shape[0], chunks, chunk, *q.shape[2:]).swapaxes(0, 1)
     out = jax.lax.map(attend, stacked)                                   # [chunks, F, chunk, heads, d]
     return out.swapaxes(0, 1).reshape(q.shape[0], -1, *q.shape[2:])[:, :length]
 

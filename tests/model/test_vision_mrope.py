@@ -85,3 +85,4 @@ def test_qwen3_next_has_no_mrope_and_text_configs_keep_their_fields():
     cfg = ModelConfig.from_hf_config(hf)
     assert cfg.mrope_section == (11, 11, 10)                                  # transformers' default
     assert dataclasses.replace(cfg, mrope_section=(2, 1, 1)) != cfg
+

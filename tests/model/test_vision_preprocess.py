@@ -1,7 +1,7 @@
 """Preprocessing without torch makes the arrays transformers' Qwen3-VL processors make (images: the PIL image
 processor, Qwen2VLImageProcessorPil, which Qwen3.5 checkpoints load when torchvision is absent; videos: the video
-processor's own smart_resize, patchify, frame sampling and the processor's timestamps, since its resize needs
-torchvision), and the content hash tells inputs apart."""
+processor with its torchvision-only steps off, its smart_resize and frame sampling, and the processor's timestamps),
+and the content hash tells inputs apart."""
 from __future__ import annotations
 
 import json
@@ -53,7 +53,6 @@ def test_image_arrays_equal_transformers(cfg):
 
 
 def test_video_layout_sizes_and_timestamps_equal_transformers():
-    import torch
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as hf_video_resize
@@ -65,15 +64,17 @@ def test_video_layout_sizes_and_timestamps_equal_transformers():
             frames, h, w, 2, 32, cfg.min_pixels, cfg.max_pixels)
         assert smart_resize(h, w, 32, 65536, 16777216) == hf_image_resize(h, w, 32, 65536, 16777216)
 
-    # Frames already at a size the resize keeps: the patch layout alone decides pixel_values.
-    small = VisionPreprocessConfig(min_pixels=64, max_pixels=100000, patch_size=4)
+    # The video processor itself, with its torchvision-only steps (resize, RGB conversion, normalisation) off:
+    # frames at a size the resize keeps, mean 0 and std 1. Frame padding, rescale and patch layout decide.
     frames = [random_image(24, 40, seed=s) for s in range(5)]
-    video = preprocess_video(frames, fps=4.0, cfg=small, frame_indices=[0, 3, 6, 9, 12])
-    normalized = torch.tensor(np.stack([(np.asarray(f, np.float32).transpose(2, 0, 1) / 255 - 0.5) / 0.5
-                                        for f in frames + frames[-1:]]))[None]
-    patches, t, gh, gw = Qwen3VLVideoProcessor.patchify(None, normalized, 4, 2, 2)
-    assert video.grid_thw == (t, gh, gw) == (3, 6, 10)
-    np.testing.assert_allclose(video.pixel_values, patches[0].numpy(), atol=1e-6)
+    plain = VisionPreprocessConfig(min_pixels=64, max_pixels=100000, patch_size=4, image_mean=(0.0, 0.0, 0.0),
+                                   image_std=(1.0, 1.0, 1.0))
+    video = preprocess_video(frames, fps=4.0, cfg=plain, frame_indices=[0, 3, 6, 9, 12])
+    hf = Qwen3VLVideoProcessor(patch_size=4, do_resize=False, do_sample_frames=False, do_convert_rgb=False,
+                               do_normalize=False, cap_pixels_per_frame=False)
+    ref = hf(videos=[np.stack([np.asarray(f) for f in frames])], return_tensors="np")
+    assert video.grid_thw == tuple(ref["video_grid_thw"][0]) == (3, 6, 10)
+    np.testing.assert_allclose(video.pixel_values, ref["pixel_values_videos"], atol=1e-7)
     assert video.timestamps == tuple(Qwen3VLProcessor._calculate_timestamps(None, [0, 3, 6, 9, 12], 4.0, 2))
     assert video.num_tokens == 3 * 6 * 10 // 4 and video.tokens_per_frame == 15
 

@@ -3,6 +3,7 @@ the 3-D positions and position delta, and the logits at every position of image-
 prompts (float32, within 1e-4), through the engine's step (the Flax model: tests/flax/test_flax_vision.py)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -173,3 +174,34 @@ def test_decode_after_an_image_runs_at_token_index_plus_delta(vl):
     ours = np.stack(rows)
     expected = ref[len(prompt) - 1:len(prompt) + len(continuation) - 1]
     assert np.abs(ours - expected).max() < TOLERANCE, f"max |diff| {np.abs(ours - expected).max()}"
+
+
+def test_tower_at_qwen35_geometry_matches_transformers():
+    """Qwen3.5's own tower geometry, one block: hidden 1152 in 16 heads of 72 (the 2-D RoPE over a head dim that is
+    not a power of two), the 48 x 48 position table resampled, patch 16 and Qwen3.5's default preprocessing."""
+    import torch
+    import transformers as tf
+
+    from qnext.model.vision_weights import vision_params_from_tensors
+    from qnext.vision.config import VisionConfig
+    from qnext.vision.preprocess_config import DEFAULT_IMAGE_CONFIG
+
+    torch.manual_seed(0)
+    hf_cfg = tf.Qwen3_5VisionConfig(depth=1, out_hidden_size=64)
+    tower = tf.Qwen3_5VisionModel(hf_cfg).eval()
+    with torch.no_grad():
+        for _, p in tower.named_parameters():
+            p.add_(torch.randn(p.shape) * (0.2 if p.ndim == 1 else 0.02))
+    cfg = VisionConfig.from_hf(hf_cfg.to_dict())
+    assert (cfg.head_dim, cfg.position_grid_side, cfg.patch_size) == (72, 48, 16)
+    params = vision_params_from_tensors({k: v.numpy() for k, v in tower.state_dict().items()}, cfg)
+    rng = np.random.default_rng(3)
+    small = dataclasses.replace(DEFAULT_IMAGE_CONFIG, min_pixels=32 * 32, max_pixels=160 * 160)
+    visuals = [preprocess_image(Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)), small)
+               for h, w in [(100, 150), (64, 64), (150, 40)]]
+    ours = np.asarray(encode_visuals(params, visuals, cfg))
+    with torch.no_grad():
+        ref = tower(torch.tensor(np.concatenate([v.pixel_values for v in visuals])),
+                    grid_thw=torch.tensor([v.grid_thw for v in visuals])).pooler_output.numpy()
+    assert np.abs(ref).max() > 0.1
+    np.testing.assert_allclose(ours, ref, atol=2e-5)
