@@ -33,7 +33,7 @@ from qnext.engine.scheduler import Scheduler
 from qnext.engine.sequence import Sequence
 from qnext.engine.stats import EngineStats
 from qnext.engine.visual_encoder import VisionSetup, VisualEncoder
-from qnext.engine.visual_intake import load_vision_setup
+from qnext.engine.visual_intake import vision_setup
 from qnext.model.buckets import BucketTable
 from qnext.model.checkpoint import load_checkpoint
 from qnext.model.loader import checkpoint_files
@@ -63,7 +63,7 @@ class LLMEngine:
         checkpoint = load_checkpoint(model, config.dtype, tensor_parallel_size=config.tensor_parallel_size,
                                      expert_parallel=config.enable_expert_parallel,
                                      attention_tensor_parallel=config.attention_tensor_parallel,
-                                     with_mtp=bool(config.num_speculative_tokens))
+                                     with_mtp=bool(config.num_speculative_tokens), with_vision=True)
         if config.num_speculative_tokens and checkpoint.mtp is None:
             raise ValueError(f"speculative_config {config.speculative_config} drafts with the checkpoint's MTP "
                              f"head, but {model} has none (no mtp.* tensors, no {MTP_FILE}); train one with "
@@ -72,7 +72,7 @@ class LLMEngine:
             self._weights_digest = files_digest_memoized(checkpoint_files(model),
                                                          Path(config.prefix_cache_dir) / WEIGHTS_DIGEST_MEMO)
         self._start(config, checkpoint.config, checkpoint.params, tokenizer, checkpoint.mtp, drafter,
-                    load_vision_setup(model, config.dtype))
+                    vision_setup(model, checkpoint.vision))
 
     @classmethod
     def from_params(cls, cfg: ModelConfig, params, tokenizer: Tokenizer | None = None, **options) -> "LLMEngine":

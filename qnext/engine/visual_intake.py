@@ -14,11 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jax.numpy as jnp
-
 from qnext.engine.visual_encoder import VisionSetup
 from qnext.engine.visual_request import SequenceVisuals, expand_placeholders, sequence_visuals
-from qnext.model.vision_weights import load_vision_params
 from qnext.vision.config import vision_configs
 from qnext.vision.preprocess import VisualInput, preprocess_image, preprocess_video
 from qnext.vision.preprocess_config import load_preprocess_configs
@@ -27,13 +24,11 @@ NO_TOWER = ("this model reads text only: its checkpoint has no vision tower (no 
             "tensors); send text, or serve a Qwen3.5 vision-language checkpoint")
 
 
-def load_vision_setup(model: Path, dtype) -> VisionSetup | None:
-    """The checkpoint's tower, placed on the device (None for a text-only checkpoint)."""
-    configs = vision_configs(json.loads((model / "config.json").read_text()))
-    if configs is None:
-        return None
-    params = load_vision_params(model, dtype, place=jnp.asarray)
-    if params is None:
+def vision_setup(model: Path, params) -> VisionSetup | None:
+    """The checkpoint's tower: its configs and preprocessing with `params`, the tower's weights as
+    load_checkpoint(..., with_vision=True) placed them (None, and None back, for a text-only checkpoint)."""
+    configs = vision_configs(json.loads((Path(model) / "config.json").read_text()))
+    if configs is None or params is None:
         return None
     image, video = load_preprocess_configs(model)
     return VisionSetup(configs[0], configs[1], image, video, params)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from qnext.engine.visual_intake import load_vision_setup
+from qnext.engine.visual_intake import vision_setup
+from qnext.model.vision_weights import load_vision_params
 from qnext.sampling_params import SamplingParams
 from qnext.server.chat_request import ChatInputs, ChatTranslator
 from qnext.server.errors import APIError
@@ -25,7 +26,7 @@ def message(*parts) -> ChatInputs:
 
 def test_the_placeholder_sits_where_the_picture_was_and_expands_per_merged_patch(checkpoint):
     tokenizer = Tokenizer.from_pretrained(checkpoint)
-    translator = ChatTranslator(tokenizer, vision=load_vision_setup(checkpoint, "float32"))
+    translator = ChatTranslator(tokenizer, vision=vision_setup(checkpoint, load_vision_params(checkpoint)))
     chat = translator.translate(message({"type": "text", "text": "A"},
                                         {"type": "image_url", "image_url": {"url": data_url(picture(1, 48, 32))}},
                                         {"type": "text", "text": "B"}), SamplingParams())
@@ -43,7 +44,7 @@ def test_a_checkpoint_without_a_tower_refuses_a_picture(checkpoint):
 
 
 def test_text_that_spells_a_pad_token_next_to_a_picture_is_refused(checkpoint):
-    translator = ChatTranslator(Tokenizer.from_pretrained(checkpoint), vision=load_vision_setup(checkpoint, "float32"))
+    translator = ChatTranslator(Tokenizer.from_pretrained(checkpoint), vision=vision_setup(checkpoint, load_vision_params(checkpoint)))
     with pytest.raises(APIError, match="outside a picture's placeholder"):
         translator.translate(message({"type": "text", "text": "<|image_pad|>"},
                                      {"type": "image_url", "image_url": {"url": data_url(picture(1))}}),
