@@ -61,18 +61,18 @@ def chat_prompts(shape: ChatShape, ids: VisionTokenIds, seed: int, vocab: int):
     return turns
 
 
-def run_chat(engine, shape: ChatShape, seed: int) -> list[dict]:
-    """Runs the chat turn by turn (each prompt: every earlier turn and reply, then the new turn); per turn the
-    prompt length, the cached tokens and the time to first token (seconds, from add_request)."""
-    history, images, out = [], [], []
+def chat_turns(engine, shape: ChatShape, seed: int):
+    """Runs the chat one turn per next() (each prompt: every earlier turn and reply, then the new turn), yielding
+    per turn the prompt length, the cached tokens and the time to first token (seconds, from add_request)."""
+    history, images = [], []
     turns = chat_prompts(shape, engine.vision.token_ids, seed, engine.model_config.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=shape.reply_tokens, ignore_eos=True)
     for turn, (tokens, pictures) in enumerate(turns):
         history, images = history + tokens, images + pictures
-        params = SamplingParams(temperature=0.0, max_tokens=shape.reply_tokens, ignore_eos=True)
         t0 = time.perf_counter()
         engine.add_request(f"s{seed}t{turn}", {"prompt_token_ids": history, "multi_modal_data": {"image": images}},
                            params)
-        ttft = None
+        ttft = final = None
         while engine.has_unfinished_requests():
             for o in engine.step():
                 if ttft is None and o.outputs[0].token_ids:
@@ -80,6 +80,16 @@ def run_chat(engine, shape: ChatShape, seed: int) -> list[dict]:
                 if o.finished:
                     final = o
         history = history + list(final.outputs[0].token_ids)
-        out.append({"turn": turn + 1, "prompt_tokens": len(final.prompt_token_ids),
-                    "cached_tokens": final.num_cached_tokens, "ttft_s": ttft})
+        yield {"turn": turn + 1, "prompt_tokens": len(final.prompt_token_ids),
+               "cached_tokens": final.num_cached_tokens, "ttft_s": ttft}
+
+
+def run_interleaved(engines: dict, shape: ChatShape, seed: int) -> dict[str, list[dict]]:
+    """The same chat on every engine, turn by turn in turns (turn 1 on each, then turn 2 on each, ...), so that a
+    shared machine's load changes hit every configuration alike."""
+    chats = {name: chat_turns(engine, shape, seed) for name, engine in engines.items()}
+    out = {name: [] for name in engines}
+    for _ in range(shape.turns):
+        for name, chat in chats.items():
+            out[name].append(next(chat))
     return out
