@@ -24,6 +24,7 @@ class Model:
     config: ModelConfig
     params: dict
     dtype: np.dtype
+    kv_cache_dtype: str = "auto"   # "fp8": the step writes and reads e4m3 KV pages, as an engine with that option
 
     def __post_init__(self):
         self._step = make_step(self.config)
@@ -45,7 +46,7 @@ class Model:
         n = len(ids)
         sizes = scoring_sizes(n, chunk=SCORING_CHUNK, block_size=SCORING_BLOCK_SIZE)
         buffers = model_cache_buffers(self.config, num_blocks=sizes.max_blocks + 1, block_size=SCORING_BLOCK_SIZE,
-                                      num_state_rows=2, dtype=self.dtype)
+                                      num_state_rows=2, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype)
         seg = Segment(token_ids=ids.tolist(), start=0, block_table=list(range(1, sizes.max_blocks + 1)), read_row=-1,
                       write_row=1, all_logits=True)
         inputs = build_step_inputs([seg], sizes, block_size=SCORING_BLOCK_SIZE, chunk=SCORING_CHUNK)
