@@ -59,14 +59,22 @@ def _image_part(block: dict, where: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-def _parts(blocks: list[tuple[int, Any]], param: str, kinds: str) -> list[dict] | str:
+# A tool's result may hold a document (Claude Code's Read of a PDF): the model cannot read it, but the turn must go
+# on, so it is named in the text instead of refusing the whole conversation.
+DOCUMENT_OMITTED = "[document omitted: this server reads no documents]"
+
+
+def _parts(blocks: list[tuple[int, Any]], param: str, kinds: str, in_tool_result: bool = False
+           ) -> list[dict] | str:
     """(index, block) pairs of text and image blocks as OpenAI content parts (a plain string when there is no
     image)."""
     parts = []
     for i, block in blocks:
         kind = block.get("type") if isinstance(block, dict) else None
         where = f"{param}.{i}"
-        if kind == "text":
+        if in_tool_result and kind == "document":
+            parts.append({"type": "text", "text": DOCUMENT_OMITTED})
+        elif kind == "text":
             _require(isinstance(block.get("text"), str), f"{where}.text must be a string", where)
             parts.append({"type": "text", "text": block["text"]})
         elif kind == "image":
@@ -82,7 +90,8 @@ def _tool_result(block: dict, param: str) -> dict:
     _require(isinstance(block.get("tool_use_id"), str), f"{param}.tool_use_id must be a string", param)
     content = block.get("content", "")
     if isinstance(content, list):
-        content = _parts(list(enumerate(content)), f"{param}.content", "a tool_result holds text and image blocks")
+        content = _parts(list(enumerate(content)), f"{param}.content", "a tool_result holds text and image blocks",
+                         in_tool_result=True)
     elif content is None:
         content = ""
     _require(isinstance(content, (str, list)), f"{param}.content must be a string or a list of content blocks",
