@@ -1,7 +1,8 @@
 """Hugging Face safetensors checkpoint -> weights pytree (docs/CONTRACTS.md).
 
-Handles single-file and sharded checkpoints, block-quantised FP8 checkpoints as released (dequantised here, in
-float32, before the leaf is combined; fp8_blocks.py), the Qwen3.5 VLM prefix `model.language_model.` (skipping
+Handles single-file and sharded checkpoints (read by checkpoint_tensors.py), block-quantised FP8 checkpoints as
+released (dequantised here, in float32, before the leaf is combined; fp8_blocks.py; or with fp8_weights="keep" held
+as e4m3 with block scales, fp8_keep.py), the Qwen3.5 VLM prefix `model.language_model.` (skipping
 `model.visual.*` and `mtp.*`), Qwen3-Next's per-key-head interleaved `in_proj_qkvz` / `in_proj_ba`, Qwen3.5's split
 GDN projections, per-head [q | gate] rows of `q_proj`, and per-expert or fused experts. Dense weights keep HF's
 [out, in]; expert stacks become [E, in, out].
