@@ -5,6 +5,7 @@ import dataclasses
 import os
 
 from qnext.config import ModelConfig
+from qnext.model.rope import position_limit, position_limit_error
 
 
 SPECULATIVE_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")   # vLLM's names for the same head
@@ -150,9 +151,9 @@ class EngineConfig:
         return 32 if backend == "cpu" else 64
 
     def resolved_max_model_len(self, cfg: ModelConfig) -> int:
-        limit = cfg.max_position_embeddings
+        limit = position_limit(cfg)
         if self.max_model_len is None:
             return min(limit, 4096)
         if self.max_model_len > limit:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}")
+            raise position_limit_error(cfg, self.max_model_len, f"max_model_len {self.max_model_len}")
         return self.max_model_len
