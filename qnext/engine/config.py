@@ -26,7 +26,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9       # GPU: share of device memory for weights, activations and the cache
     kv_cache_memory_bytes: int | None = None  # the cache's byte budget (per device): KV + state rows; overrides ^
     snapshot_memory_fraction: float = 0.75    # share of the budget after the live rows that snapshots may take
-    max_num_snapshots: int | None = None      # cap on prefix snapshot rows; None: 4 x max_num_seqs
+    max_num_snapshots: int | None = None      # cap on prefix snapshot rows; None: the budget's bytes decide
+                                              # (4 x max_num_seqs with num_gpu_blocks_override)
     snapshot_memory_bytes: int | None = None  # cap on the snapshot rows' bytes
     prefill_chunk: int | None = None          # rows per prefill group of the delta-rule kernel; None: by backend
     max_prefill_groups_extra: int = 8         # prefill groups a step may have beyond tokens / chunk
