@@ -153,7 +153,7 @@ def restore_timing(model: str, lengths: list[int], pcie_gbps: float) -> dict:
                        max_num_batched_tokens=PRESETS[model].max_num_batched_tokens, max_model_len=longest + bs,
                        block_size=bs, num_gpu_blocks_override=2 * longest // bs + 2, max_num_snapshots=4,
                        kv_offloading_size=0.25)
-    cache, host, params = engine.scheduler.cache, engine.scheduler.host_buffers, SamplingParams(max_tokens=1)
+    cache, host, params = engine.cache.manager, engine.cache.host_buffers, SamplingParams(max_tokens=1)
     rng, out = np.random.default_rng(0), {"model": model, "pcie_gbps": pcie_gbps, "lengths": {}}
 
     def ttft(prompt) -> float:
@@ -168,7 +168,7 @@ def restore_timing(model: str, lengths: list[int], pcie_gbps: float) -> dict:
         cache.evict_cached_blocks(cache.config.num_blocks)
         while cache.snapshots.evict_lru() is not None:
             pass
-        engine.scheduler.flush_transfers()
+        engine.cache.flush_transfers()
 
     for n in lengths:
         for timed in (False, True):

@@ -1,7 +1,7 @@
 """The cache an engine starts with: its byte budget, the split of that budget into KV blocks, live state rows and
 snapshot rows (cache/sizing.py's rule), the device buffers of those sizes (made in their shards under tensor
-parallelism) and the host tier's arrays. The scheduler builds the cache manager that owns them from a `CacheSetup`
-(it is the manager's only owner and caller).
+parallelism) and the host tier's arrays. engine/engine_cache.py's EngineCache builds the cache manager that owns
+them from a `CacheSetup` and holds it for the scheduler and the engine.
 
 The budget, in vLLM's terms:
 - `kv_cache_memory_bytes` when given (the way to size the cache on CPU);
@@ -43,7 +43,7 @@ SNAPSHOTS_PER_SEQ = 4      # default snapshot rows per running sequence where no
 
 @dataclasses.dataclass(frozen=True)
 class CacheSetup:
-    """What the scheduler builds its CacheManager from: the manager's config, the device buffers the manager takes
+    """What EngineCache builds its CacheManager from: the manager's config, the device buffers the manager takes
     ownership of, and the persisted cache to load into the host tier at start (prefix_cache_dir None: none)."""
     config: CacheConfig
     buffers: CacheBuffers

@@ -1,64 +1,37 @@
-"""Continuous batching and the host side of a step: the scheduler builds and owns the cache manager (from
-engine/cache_setup.py's CacheSetup), plans each step completely (StepPlan) and post-processes its result.
+"""Continuous batching and the host side of a step: the scheduler plans each step completely (StepPlan) with the
+cache manager (engine/engine_cache.py holds it) and post-processes its result.
 
 Running sequences go first (decode tokens and continuing prefill chunks, oldest first), then waiting ones are
 admitted while the token budget, `max_num_seqs`, a compiled step shape and the cache allow. A running sequence
 that cannot get a KV block preempts the newest running sequence (by recompute: its cache is released and it goes
 back to the front of the queue; its output so far is kept and recomputed as part of its prompt).
 
-With a host tier the cache manager decides copies between the device buffers and host memory (offloads at
-eviction, loads at admission); the scheduler runs them (cache/device_buffers.py) whenever it lends the buffers
-out, so each runs before the step that could overwrite its source or needs its target.
+Multi-step and speculative windows are planned in engine/window_plan.py. With a host tier the cache manager decides
+copies between the device buffers and host memory (offloads at eviction, loads at admission); EngineCache runs them
+whenever the buffers are lent to a step.
 """
 from __future__ import annotations
 
 import collections
-import dataclasses
-import logging
 import time
 from collections.abc import Sequence as Seq
-from pathlib import Path
-from typing import TYPE_CHECKING
 
-from cache import CacheManager
-from cache.device_buffers import CacheBuffers, HostTierBuffers, apply_fork_copies
-from cache.persisted_cache import load_prefix_cache
 from qnext.engine.config import EngineConfig
-from qnext.engine.plan import MultiStepPlan, ScheduledSequence, StepPlan, StepResult
-from qnext.engine.postprocess import Stop, append_sampled, append_window, device_stop_ids, mark_finished
-from qnext.engine.sampling_inputs import stateless
+from qnext.engine.engine_cache import EngineCache
+from qnext.engine.plan import ScheduledSequence, StepPlan, StepResult
+from qnext.engine.postprocess import Stop, append_sampled, append_window, mark_finished
 from qnext.engine.sequence import Sequence, SequenceStatus
+from qnext.engine.window_plan import Work, multi_step_ok, speculative_ok, window_plan
 from qnext.model.buckets import BucketTable
 from qnext.model.step_inputs import Segment
 
-if TYPE_CHECKING:
-    from qnext.engine.cache_setup import CacheSetup
-
-logger = logging.getLogger("qnext.engine")
-
-
-@dataclasses.dataclass
-class _Work:
-    seq: Sequence
-    start: int
-    num_tokens: int
-    captures: list[int]           # state captures inside (start, end]: prompt capture plan + decode boundary
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, cache: CacheSetup, buckets: BucketTable, *,
-                 eos_token_ids: Seq[int], vocab_size: int, max_model_len: int,
-                 host_buffers: HostTierBuffers | None = None):
+    def __init__(self, config: EngineConfig, cache: EngineCache, buckets: BucketTable, *,
+                 eos_token_ids: Seq[int], vocab_size: int, max_model_len: int):
         self.config = config
-        self.cache = CacheManager(cache.config)     # its only owner and caller; it owns the device buffers
-        self.cache.attach_buffers(cache.buffers)
-        self.host_buffers = host_buffers      # the host tier's arrays (None: no host tier)
-        if cache.prefix_cache_dir is not None:
-            self._load_prefix_cache(cache.prefix_cache_dir, cache.fingerprint)
+        self.engine_cache = cache
+        self.cache = cache.manager            # plans and commits go to the manager directly
         self.buckets = buckets
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = vocab_size
@@ -87,11 +60,13 @@ class Scheduler:
         work = self._pick()
         if not work:
             return None
-        speculative = self._speculative_ok(work)
-        if speculative:
-            multi = self._multi_step_plan(work, self.config.num_speculative_tokens + 1)
+        c, eos, vocab = self.config, self.eos_token_ids, self.vocab_size
+        speculative = speculative_ok(work, c, eos, vocab)
+        if speculative or multi_step_ok(work, c, eos, vocab):
+            window = c.num_speculative_tokens + 1 if speculative else None
+            multi = window_plan(work, self.cache, c, eos, self.max_model_len, window)
         else:
-            multi = self._multi_step_plan(work) if self._multi_step_ok(work) else None
+            multi = None
         rows = {} if multi is not None else self._reserve_capture_rows(work)
         items = []
         for w in work:
@@ -104,10 +79,10 @@ class Scheduler:
             items.append(ScheduledSequence(w.seq, segment, samples, list(w.seq.pending_forks) if samples else []))
         bucket = self.buckets.bucket_for([it.segment for it in items])
         drafts = [list(w.seq.draft_token_ids) for w in work] if speculative else None
-        return StepPlan(items, bucket, self.lend_buffers(), multi, speculative, drafts)
+        return StepPlan(items, bucket, self.engine_cache.lend_buffers(), multi, speculative, drafts)
 
-    def _pick(self) -> list[_Work]:
-        work: list[_Work] = []
+    def _pick(self) -> list[Work]:
+        work: list[Work] = []
         layout = self.buckets.new_layout()
         budget = self.config.max_num_batched_tokens       # tokens left in this step
 
@@ -149,16 +124,16 @@ class Scheduler:
             budget -= w.num_tokens
         return work
 
-    def _work(self, seq: Sequence, start: int, budget: int) -> _Work:
+    def _work(self, seq: Sequence, start: int, budget: int) -> Work:
         n = min(seq.num_tokens - start, budget)
         end = start + n
         if n == 1:
             captures = [end] if end % self.config.block_size == 0 and self.cache.uses_snapshots else []
         else:
             captures = [p for p in self.cache.capture_positions(seq.request_id) if start < p <= end]
-        return _Work(seq, start, n, captures)
+        return Work(seq, start, n, captures)
 
-    def _reserve_blocks(self, w: _Work, work: list[_Work]) -> bool:
+    def _reserve_blocks(self, w: Work, work: list[Work]) -> bool:
         """Blocks for the work's tokens; preempts the newest running sequences until they fit."""
         while not self.cache.append_slots(w.seq.request_id, w.end):
             victim = self.running[-1]
@@ -168,7 +143,7 @@ class Scheduler:
                 return False
         return True
 
-    def _reserve_capture_rows(self, work: list[_Work]) -> dict[tuple[str, int], int]:
+    def _reserve_capture_rows(self, work: list[Work]) -> dict[tuple[str, int], int]:
         """Snapshot rows for this step's capture positions: the prompt's planned captures, or the decode tracking
         row at a block boundary. A position without a row (pool exhausted) captures nothing."""
         rows = {}
@@ -181,63 +156,12 @@ class Scheduler:
                     rows[(rid, p)] = row
         return rows
 
-    def _multi_step_ok(self, work: list[_Work]) -> bool:
-        """Several decode steps may run in one call when every item decodes (its prompt computed), and its
-        sampling needs no per-step host state (no logprobs, penalties or suppressed ids). Stop strings may run:
-        the host appends the tokens one at a time and drops those after a stop string (append_window)."""
-        if self.config.num_scheduler_steps < 2:
-            return False
-        return all(w.num_tokens == 1 and w.end == w.seq.num_tokens and w.start >= len(w.seq.prompt_token_ids)
-                   and stateless(w.seq.params, len(w.seq.output_token_ids), self.eos_token_ids, self.vocab_size)
-                   for w in work)
-
-    def _speculative_ok(self, work: list[_Work]) -> bool:
-        """An MTP speculative step runs when every item decodes, holds its k drafts, and could run multi-step
-        (its next tokens depend only on its logits and position) or differs only by penalties (applied per window
-        position) or logprobs (the verify pass reports them per window position), and the step has no more rows
-        than speculative_config's disable_by_batch_size."""
-        k = self.config.num_speculative_tokens
-        if self.config.speculation_disabled_at(len(work)):
-            return False
-        return bool(k) and all(len(w.seq.draft_token_ids) == k and not w.seq.pending_forks for w in work) and all(
-            w.num_tokens == 1 and w.end == w.seq.num_tokens and w.start >= len(w.seq.prompt_token_ids)
-            and stateless(w.seq.params, len(w.seq.output_token_ids), self.eos_token_ids, self.vocab_size,
-                          penalties_ok=True, logprobs_ok=True)
-            for w in work)
-
-    def _multi_step_plan(self, work: list[_Work], window: int | None = None) -> MultiStepPlan:
-        """Each row runs at most `window` tokens (num_scheduler_steps; a speculative step's k + 1), what its
-        max_tokens and max_model_len leave and what its KV blocks hold (extended here when the cache has blocks
-        free, never by preempting); block boundaries inside its window capture into its decode tracking row."""
-        k_max, bs, cache = window or self.config.num_scheduler_steps, self.config.block_size, self.cache
-        plan = MultiStepPlan([], [], [])
-        for w in work:
-            seq, p, rid = w.seq, w.seq.params, w.seq.request_id
-            n = min(k_max, self.max_model_len - seq.num_tokens)
-            if p.max_tokens is not None:
-                n = min(n, p.max_tokens - len(seq.output_token_ids))
-            if not cache.append_slots(rid, w.start + n):           # blocks for the extra tokens, if free
-                n = max(1, min(n, len(cache.block_table(rid)) * bs - w.start))
-            if p.stop:
-                # the host may drop the tokens after a stop string (append_window), and with them any state the
-                # window captured past the first: a boundary is captured at the window's first step only (its
-                # input token is always kept), so the window ends before a later one and the next window starts
-                # on it. Otherwise the tracking row would be overwritten by a state the host cannot record.
-                n = next((e - w.start - 1 for e in range(w.start + 2, w.start + n + 1) if e % bs == 0), n)
-            ends = [e for e in range(w.start + 1, w.start + n + 1) if e % bs == 0]   # boundaries computed
-            row = cache.decode_tracking_row(rid) if ends and cache.uses_snapshots else None
-            plan.steps.append(n)
-            plan.captures.append({e - w.start - 1: row for e in ends} if row is not None else {})
-            plan.stop_ids.append(device_stop_ids(p, self.eos_token_ids))
-            w.captures = []                                 # captures come per step, from the plan
-        return plan
-
     # ---- after the step ---------------------------------------------------------------------------------------
     def postprocess(self, plan: StepPlan, result: StepResult) -> tuple[list[Sequence], int]:
         """Commits what the step computed (publishes full blocks and captured snapshots), appends the sampled
         tokens, checks stops and finishes. Returns the sequences that produced tokens or finished, and the number
         of tokens generated."""
-        self.cache.return_buffers(result.buffers)
+        self.engine_cache.return_buffers(result.buffers)
         updated, generated = [], 0
         for i, it in enumerate(plan.items):
             seq = it.seq
@@ -280,50 +204,6 @@ class Scheduler:
             if stop is not None:
                 self._finish(child, stop)
         return forks
-
-    # ---- the cache, for front ends ------------------------------------------------------------------------------
-    @property
-    def cache_stats(self):
-        return self.cache.stats
-
-    def cache_usage(self) -> dict:
-        """Pool occupancy now: shares (0-1) of KV blocks in use, live state rows in use, snapshot rows in use; the
-        KV blocks holding a cached prefix; and the host tier's KV blocks and snapshots held (0 without one)."""
-        c, blocks, pool = self.cache, self.cache.blocks, self.cache.snapshots
-        live = c.config.num_live_slots
-        return {"kv_cache_usage": blocks.num_used / max(1, blocks.num_blocks - 1),      # block 0 is the dummy
-                "kv_blocks_cached": blocks.num_cached,
-                "state_slots_usage": (live - c.num_free_slots) / max(1, live),
-                "snapshot_pool_usage": pool.num_in_use / pool.capacity if pool.capacity else 0.0,
-                "host_kv_blocks_cached": len(c.tier.blocks), "host_snapshots_cached": len(c.tier.snapshots)}
-
-    def clear_prefix_cache(self) -> None:
-        """Drops every cached KV block and, with them, every snapshot, in every tier (nothing may be running)."""
-        self.cache.clear_prefix_cache()
-
-    def _load_prefix_cache(self, directory: str, fingerprint: dict) -> None:
-        """Loads a cache file written for the same fingerprint into the host tier (docs/cache.md, Persistence)."""
-        blocks, snapshots = load_prefix_cache(directory, self.cache, self.host_buffers, fingerprint)
-        if blocks:
-            logger.info("prefix cache: %d KV blocks and %d snapshots loaded from %s into the host tier", blocks,
-                        snapshots, Path(directory))
-
-    def lend_buffers(self) -> CacheBuffers:
-        """The cache's buffers for a step, after the copies between tiers decided so far have run on them."""
-        buffers = apply_fork_copies(self.cache.take_fork_copies(), self.cache.lend_buffers())   # first: cache/forks.py
-        transfers = self.cache.take_transfers()
-        if transfers:
-            if self.host_buffers is None:
-                raise RuntimeError("the cache manager has a host tier but the scheduler has no host buffers")
-            buffers = self.host_buffers.apply(transfers, buffers, self.cache.stats.tiers)
-        return buffers
-
-    def flush_transfers(self) -> None:
-        """Runs the pending copies between tiers now (before the cache is written to disk)."""
-        self.return_buffers(self.lend_buffers())
-
-    def return_buffers(self, buffers: CacheBuffers) -> None:
-        self.cache.return_buffers(buffers)
 
     # ---------------------------------------------------------------------------------------------------------
     def _start(self, seq: Sequence, admission) -> None:

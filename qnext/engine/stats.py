@@ -56,6 +56,18 @@ class EngineStats:
         self.sample_seconds += sample
         self.num_model_steps += model_steps
 
+    def record_step(self, items, generated: int, t0: float, t1: float, t2: float, t3: float) -> None:
+        """One engine.step(): its ScheduledSequences, the tokens it generated, and its clock at the start, after
+        scheduling, after the runner and at the end."""
+        self.num_steps += 1
+        self.num_scheduled_sequences += len(items)
+        self.num_scheduled_tokens += sum(len(it.segment.token_ids) for it in items)
+        self.num_prefill_tokens += sum(max(0, min(it.end, len(it.seq.prompt_token_ids)) - it.start) for it in items)
+        self.num_generated_tokens += generated
+        self.schedule_seconds += t1 - t0
+        self.postprocess_seconds += t3 - t2
+        self.step_seconds += t3 - t0
+
     def add_speculative(self, *, rows: int, drafts: int, accepted: int) -> None:
         """A speculative step: its rows, the drafts they verified and the drafts they kept."""
         self.num_spec_rows += rows

@@ -14,7 +14,7 @@ import asyncio
 import uuid
 from typing import Sequence
 
-from qnext.engine.llm_engine import validate_prompt
+from qnext.engine.intake import validate_prompt
 from qnext.sampling_params import SamplingParams
 from qnext.server.chat_request import ChatInputs, ChatRequest, ChatTranslator
 from qnext.server.engine_loop import AsyncEngine, EngineStepError, EngineStoppedError, QueueFullError

@@ -42,10 +42,10 @@ def test_multi_turn_chats_with_a_host_tier_equal_cold_runs_and_reuse_more(checkp
     cold = qnext.LLM(checkpoint, enable_prefix_caching=False, **ENGINE)
     device_only = qnext.LLM(checkpoint, **ENGINE)
     tiered = qnext.LLM(checkpoint, kv_offloading_size=HOST_4X, **ENGINE)
-    scheduler = tiered.engine.scheduler
-    assert scheduler.cache.config.num_host_blocks == 64
+    cache = tiered.engine.cache
+    assert cache.manager.config.num_host_blocks == 64
     # the copies' part of warm_up (LLMEngine.warm_up runs it after the step shapes): no copy compiles after it
-    scheduler.return_buffers(scheduler.host_buffers.warm_up(scheduler.lend_buffers()))
+    cache.return_buffers(cache.host_buffers.warm_up(cache.lend_buffers()))
     rng = np.random.default_rng(0)
     chats = [rng.integers(3, 500, 40).tolist() for _ in range(3)]
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):
