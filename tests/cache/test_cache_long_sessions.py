@@ -51,3 +51,20 @@ def test_with_real_rows_the_snapshot_share_binds_not_the_anchor_bound():
     s = plan_cache(budget, **REAL)
     shared = budget - 9 * REAL["state_bytes_per_row"]
     assert s.num_snapshot_rows == int(0.75 * shared) // REAL["state_bytes_per_row"]
+
+
+def test_a_request_arriving_during_a_siblings_prefill_resumes_near_its_published_kv():
+    """Agents' first requests arrive together: B is admitted while A (same 7.5k-token system prompt) is in its
+    last prefill step, so A has published 7 x 1024 tokens of KV. A checkpoint every 1k lets B resume there."""
+    bs = 16
+    m = CacheManager(CacheConfig(block_size=bs, num_blocks=2048, num_live_slots=2, num_snapshot_slots=64))
+    system = list(range(7500))
+    a, b = system + [1] * 600, system + [2] * 600
+    assert m.admit("a", a).num_cached_tokens == 0
+    captures = m.capture_positions("a")
+    assert [p for p in captures if p <= 7168] == list(range(1024, 7169, 1024))
+    for end in range(1024, 7169, 1024):                  # A's steps of 1024 tokens, capturing where planned
+        m.reserve_capture("a", end)
+        m.commit("a", a, end)
+    adm = m.admit("b", b)
+    assert adm.kv_matched_tokens == 7168 and adm.num_cached_tokens == 7168
