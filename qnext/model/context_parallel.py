@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.causal_conv1d import conv_silu
@@ -67,7 +67,7 @@ def context_parallel_deltanet(p, x, cfg: ModelConfig, mesh: Mesh, axis: str = "c
                          f"pad it to a multiple of {n}")
     halo_len = cfg.linear_conv_kernel_dim - 1
 
-    def shard(x_local):
+    def shard(p, x_local):
         mixed, z, beta_logits, a = deltanet_projections(p, x_local, cfg)
         tail = mixed[:, -halo_len:]                                      # the next shard's conv halo
         halo = jax.lax.ppermute(tail, axis, [(i, i + 1) for i in range(n - 1)])   # device 0 receives zeros
@@ -76,6 +76,9 @@ def context_parallel_deltanet(p, x, cfg: ModelConfig, mesh: Mesh, axis: str = "c
         o, _ = shard_delta_rule(q, k, v, g, beta, axis, chunk=chunk)
         return deltanet_output(p, o, z, x_local.dtype, cfg)
 
+    p = jax.device_put(p, NamedSharding(mesh, P()))             # replicated over the mesh (params may be committed
+    x = jax.device_put(x, NamedSharding(mesh, P(None, axis)))   # to one device)
     # check_vma off: the shared chunked scan builds replicated loop carries (identity matrices) that meet
     # per-device values, as in tensor_parallel.py
-    return jax.shard_map(shard, mesh=mesh, in_specs=P(None, axis), out_specs=P(None, axis), check_vma=False)(x)
+    return jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(None, axis)), out_specs=P(None, axis),
+                         check_vma=False)(p, x)
