@@ -5,9 +5,9 @@
 
 Each length runs in a fresh process (so its peak RSS is its own): a tiny Qwen3.5 checkpoint with random weights
 (max_position_embeddings = the length + room for turn 2), one engine with max_num_seqs 1, turn 1 = a prompt of
-random token ids of that length (chunked prefill, --chunk tokens a step, one output token), turn 2 = turn 1's prompt
-and reply plus a --question-tokens question. Reported per length: turn 1's wall time and prefill tokens/s (compiles
-included: the first step shapes compile in the first chunks), turn 2's time and cached tokens, the process's peak
+random token ids of that length (chunked prefill, --chunk tokens a step, one output token) after a warm-up request
+of 2 chunks (the prefill step shapes compile there), turn 2 = turn 1's prompt and reply plus a --question-tokens
+question. Reported per length: turn 1's wall time and prefill tokens/s, turn 2's time and cached tokens, the process's peak
 RSS, the cache's bytes (KV pool + state rows, allocated up front for max_model_len) and peak RSS minus them (what
 grows with the length outside the pool, if anything), and the snapshots the session captured with their bytes.
 docs/long-context.md has the numbers."""
@@ -41,10 +41,14 @@ def run_length(length: int, chunk: int, question_tokens: int, out_dir: Path) -> 
     llm = qnext.LLM(path, max_num_seqs=1, max_num_batched_tokens=chunk, max_model_len=max_len,
                     compilation_cache_dir="none")
     info = llm.cache_info()
-    rss_ready = _peak_rss()
     rng = np.random.default_rng(0)
-    prompt = rng.integers(3, 500, length).tolist()
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    start = time.perf_counter()          # warm-up: the step shapes of a prefill compile here, not in turn 1
+    llm.generate([{"prompt_token_ids": rng.integers(3, 500, 2 * chunk + question_tokens).tolist()}], params)
+    warm_up = time.perf_counter() - start
+    captured_before = llm.engine.cache_stats.snapshots_captured
+    rss_ready = _peak_rss()
+    prompt = rng.integers(3, 500, length).tolist()
     start = time.perf_counter()
     first = llm.generate([{"prompt_token_ids": prompt}], params)[0]
     turn1 = time.perf_counter() - start
@@ -59,12 +63,13 @@ def run_length(length: int, chunk: int, question_tokens: int, out_dir: Path) -> 
     cache_bytes = info["kv_bytes"] + info["state_bytes"]
     peak = _peak_rss()
     llm.close()
-    return {"length": length, "chunk": chunk, "turn1_s": round(turn1, 2), "prefill_tok_s": round(length / turn1, 1),
+    return {"length": length, "chunk": chunk, "warm_up_s": round(warm_up, 2), "turn1_s": round(turn1, 2),
+            "prefill_tok_s": round(length / turn1, 1),
             "turn2_prompt": len(second_prompt), "turn2_cached": second.num_cached_tokens, "turn2_s": round(turn2, 3),
             "peak_rss_mib": round(peak / MIB, 1), "rss_at_start_mib": round(rss_ready / MIB, 1),
             "cache_mib": round(cache_bytes / MIB, 1), "peak_rss_minus_cache_mib": round((peak - cache_bytes) / MIB, 1),
-            "snapshots_captured": stats.snapshots_captured, "snapshot_row_bytes": row_bytes,
-            "snapshot_bytes_per_session": stats.snapshots_captured * row_bytes}
+            "snapshots_captured": stats.snapshots_captured - captured_before, "snapshot_row_bytes": row_bytes,
+            "snapshot_bytes_per_session": (stats.snapshots_captured - captured_before) * row_bytes}
 
 
 def _peak_rss() -> int:
