@@ -7,9 +7,10 @@ Each length runs in a fresh process (so its peak RSS is its own): a tiny Qwen3.5
 (max_position_embeddings = the length + room for turn 2), one engine with max_num_seqs 1, turn 1 = a prompt of
 random token ids of that length (chunked prefill, --chunk tokens a step, one output token) after a warm-up request
 of 2 chunks (the prefill step shapes compile there), turn 2 = turn 1's prompt and reply plus a --question-tokens
-question. Reported per length: turn 1's wall time and prefill tokens/s, turn 2's time and cached tokens, the process's peak
-RSS, the cache's bytes (KV pool + state rows, allocated up front for max_model_len) and peak RSS minus them (what
-grows with the length outside the pool, if anything), and the snapshots the session captured with their bytes.
+question. Reported per length: turn 1's wall time and prefill tokens/s, turn 2's time and cached tokens, the
+process's peak RSS, the cache's bytes (KV pool + state rows, allocated up front for max_model_len) and peak RSS
+minus them (what grows with the length outside the pool, if anything), and the snapshots the session captured
+with their bytes.
 docs/long-context.md has the numbers."""
 from __future__ import annotations
 
