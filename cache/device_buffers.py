@@ -9,7 +9,8 @@ into every step and come back out of it, donated.
 The host tier keeps KV blocks and snapshot rows in numpy arrays laid out like the device buffers
 (slot = block / row): per full-attention layer (k, v) [Hkv, num_host_blocks, block_size, D],
 per linear-attention layer conv [num_host_snapshots, K-1, conv_dim] and recurrent [num_host_snapshots, Hv, dk, dv]
-float32. `apply` runs a TransferPlan (cache/transfers.py) that the cache manager decided: phase by phase, the
+in the layout's snapshot dtype (float32, or narrower with mamba_ssm_cache_dtype: rounded when saved, widened to
+float32 when loaded). `apply` runs a TransferPlan (cache/transfers.py) that the cache manager decided: phase by phase, the
 saves (one jitted gather per kind, then one device -> host copy) before the loads (one host gather, one host ->
 device copy and one jitted scatter per kind, the device buffers donated). Index vectors are padded to powers of
 two so that few shapes compile; padded gathers read block / row 0, padded scatters write out of range and are
@@ -57,14 +58,28 @@ class CacheLayout:
     k_head_dim: int
     v_head_dim: int
     dtype: str = "float32"
+    kv_dtype: str | None = None        # the KV pages' dtype (cache/cache_dtypes.py); None: `dtype`
+    snapshot_dtype: str = "float32"    # the host tier's (and persisted) recurrent state; the device's is float32
+
+    @property
+    def kv_storage(self) -> str:
+        return self.kv_dtype or self.dtype
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        return 2 * self.num_kv_layers * block_size * self.num_kv_heads * self.head_dim * jnp.dtype(self.dtype).itemsize
+        return (2 * self.num_kv_layers * block_size * self.num_kv_heads * self.head_dim
+                * jnp.dtype(self.kv_storage).itemsize)
 
     @property
     def state_bytes_per_row(self) -> int:
         conv = (self.conv_width - 1) * self.conv_dim * jnp.dtype(self.dtype).itemsize
         recurrent = self.num_v_heads * self.k_head_dim * self.v_head_dim * 4
+        return self.num_state_layers * (conv + recurrent)
+
+    @property
+    def host_state_bytes_per_row(self) -> int:
+        """A snapshot row in the host tier: the recurrent state in `snapshot_dtype`."""
+        conv = (self.conv_width - 1) * self.conv_dim * jnp.dtype(self.dtype).itemsize
+        recurrent = self.num_v_heads * self.k_head_dim * self.v_head_dim * jnp.dtype(self.snapshot_dtype).itemsize
         return self.num_state_layers * (conv + recurrent)
 
 
@@ -75,7 +90,8 @@ def num_state_rows(num_live_slots: int, num_snapshot_slots: int) -> int:
 def allocate_cache_buffers(layout: CacheLayout, *, num_blocks: int, block_size: int,
                            num_state_rows: int) -> CacheBuffers:
     page = (layout.num_kv_heads, num_blocks, block_size, layout.head_dim)   # head-major (paged_attention.py)
-    kv = tuple((jnp.zeros(page, layout.dtype), jnp.zeros(page, layout.dtype)) for _ in range(layout.num_kv_layers))
+    kv = tuple((jnp.zeros(page, layout.kv_storage), jnp.zeros(page, layout.kv_storage))
+               for _ in range(layout.num_kv_layers))
     conv = tuple(jnp.zeros((num_state_rows, layout.conv_width - 1, layout.conv_dim), layout.dtype)
                  for _ in range(layout.num_state_layers))
     recurrent = tuple(jnp.zeros((num_state_rows, layout.num_v_heads, layout.k_head_dim, layout.v_head_dim), jnp.float32)
@@ -91,7 +107,7 @@ MAX_COPY = 256
 class HostTierBuffers:
     kv: tuple          # per full-attention layer: (k, v), each [Hkv, num_host_blocks, block_size, D] np
     conv: tuple        # per linear-attention layer: [num_host_snapshots, K-1, conv_dim] np
-    recurrent: tuple   # per linear-attention layer: [num_host_snapshots, Hv, dk, dv] np float32
+    recurrent: tuple   # per linear-attention layer: [num_host_snapshots, Hv, dk, dv] np, the snapshot dtype
 
     @property
     def nbytes(self) -> int:
@@ -162,14 +178,14 @@ class HostTierBuffers:
 def allocate_host_buffers(layout: CacheLayout, *, num_blocks: int, block_size: int,
                           num_snapshots: int) -> HostTierBuffers:
     """Zeroed host arrays for `num_blocks` KV blocks and `num_snapshots` snapshot rows (whole, not sharded)."""
-    dtype = jnp.dtype(layout.dtype)
+    dtype, kv_dtype = jnp.dtype(layout.dtype), jnp.dtype(layout.kv_storage)
     page = (layout.num_kv_heads, num_blocks, block_size, layout.head_dim)
     return HostTierBuffers(
-        kv=tuple((np.zeros(page, dtype), np.zeros(page, dtype)) for _ in range(layout.num_kv_layers)),
+        kv=tuple((np.zeros(page, kv_dtype), np.zeros(page, kv_dtype)) for _ in range(layout.num_kv_layers)),
         conv=tuple(np.zeros((num_snapshots, layout.conv_width - 1, layout.conv_dim), dtype)
                    for _ in range(layout.num_state_layers)),
         recurrent=tuple(np.zeros((num_snapshots, layout.num_v_heads, layout.k_head_dim, layout.v_head_dim),
-                                 np.float32) for _ in range(layout.num_state_layers)))
+                                 jnp.dtype(layout.snapshot_dtype)) for _ in range(layout.num_state_layers)))
 
 
 def gather_device_blocks(kv: tuple, blocks: list[int]) -> tuple:

@@ -57,9 +57,11 @@ def arrays_digest(arrays: Iterable) -> str:
     return h.hexdigest()
 
 
-def cache_fingerprint(model_config: dict, weights_digest: str, dtype: str, block_size: int) -> dict:
+def cache_fingerprint(model_config: dict, weights_digest: str, dtype: str, block_size: int,
+                      kv_dtype: str | None = None, snapshot_dtype: str = "float32") -> dict:
     """The parts a persisted cache must agree on, each comparable on its own (the warning names the first that
-    differs)."""
+    differs). kv_dtype: the KV pages' storage dtype (None: `dtype`); snapshot_dtype: the stored recurrent state's."""
     config = json.dumps(model_config, sort_keys=True, default=str).encode()
     return {"layout_version": CACHE_LAYOUT_VERSION, "block_size": int(block_size), "dtype": str(dtype),
+            "kv_dtype": str(kv_dtype or dtype), "snapshot_dtype": str(snapshot_dtype),
             "model_config": hashlib.blake2b(config, digest_size=16).hexdigest(), "weights": weights_digest}

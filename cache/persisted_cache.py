@@ -41,7 +41,8 @@ def save_prefix_cache(directory: str | os.PathLike, cache: CacheManager, host: H
     for i, (conv, recurrent) in enumerate(zip(buffers.conv, buffers.recurrent)):
         for part, rows in (("conv", conv), ("recurrent", recurrent)):
             make = (lambda i=i, part=part: _rows(index, buffers, host, i, part))
-            specs.append(ArraySpec(f"{part}.{i}", np.dtype(rows.dtype).name, (s,) + tuple(rows.shape[1:]), make))
+            stored = getattr(host, part)[i].dtype if host is not None else rows.dtype   # the snapshot dtype
+            specs.append(ArraySpec(f"{part}.{i}", np.dtype(stored).name, (s,) + tuple(rows.shape[1:]), make))
     header = {"fingerprint": fingerprint, "num_blocks": n, "num_snapshots": s, "block_size": index.block_size}
     return write_cache_file(directory, header, specs)
 
@@ -101,7 +102,8 @@ def _rows(index: CacheIndex, buffers, host: HostTierBuffers | None, layer: int, 
     on_device = [i for i, (tier, _) in enumerate(index.snapshot_sources) if tier == DEVICE]
     on_host = [i for i, (tier, _) in enumerate(index.snapshot_sources) if tier != DEVICE]
     rows = getattr(buffers, part)[layer]
-    out = np.zeros((index.num_snapshots,) + tuple(rows.shape[1:]), np.dtype(rows.dtype))
+    stored = getattr(host, part)[layer].dtype if host is not None else rows.dtype   # narrower with mamba_ssm_cache_dtype
+    out = np.zeros((index.num_snapshots,) + tuple(rows.shape[1:]), np.dtype(stored))
     if on_device:
         state = ((rows,), ()) if part == "conv" else ((), (rows,))
         conv, recurrent = gather_device_rows(*state, [index.snapshot_sources[i][1] for i in on_device])

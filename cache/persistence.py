@@ -158,8 +158,8 @@ def _ignore(path: Path, reason: str) -> None:
 
 
 def _dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
-        importlib.import_module("ml_dtypes")     # registers bfloat16 with numpy
+    if name in ("bfloat16", "float8_e4m3fn"):
+        importlib.import_module("ml_dtypes")     # registers bfloat16 and float8 with numpy
     return np.dtype(name)
 
 

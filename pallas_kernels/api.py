@@ -99,6 +99,8 @@ def paged_attention(q, k_pages, v_pages, block_table, kv_len, q_pos, *, sm_scale
     _check(kv_len.shape == (n,), f"kv_len must be [{n}], got {kv_len.shape}")
     _check(q_pos.shape == (n, length), f"q_pos must be [{n}, {length}], got {q_pos.shape}")
     impl = _implementation(implementation, interpret)
+    if impl == "mosaic" and k_pages.dtype == jnp.float8_e4m3fn:
+        impl = "triton"          # fp8 pages: the Triton kernel widens them in registers; the Mosaic one takes bf16
     args = (q, k_pages, v_pages, block_table, kv_len, q_pos)
     reference = functools.partial(attn_ops.paged_attention_reference, *args, sm_scale=sm_scale,
                                   leading_gather=impl != "reference")

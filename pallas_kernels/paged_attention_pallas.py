@@ -116,8 +116,9 @@ def paged_attention(q, k_pages, v_pages, block_table, kv_len, q_pos, *, sm_scale
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows_p - num_rows), (0, 0)))
     pos = jnp.pad(q_pos.astype(jnp.int32), ((0, 0), (0, length_p - length)), constant_values=-1)
     pos = jnp.pad(jnp.repeat(pos, group_p, axis=1), ((0, 0), (0, rows_p - num_rows)), constant_values=-1)
-    if qr.dtype != k_pages.dtype:
+    if qr.dtype != k_pages.dtype and k_pages.dtype != jnp.float8_e4m3fn:
         qr = qr.astype(jnp.promote_types(qr.dtype, k_pages.dtype))
+    # fp8 pages: each page is read as e4m3 (one byte a value) and widened to q's dtype in registers
 
     block_table = block_table.astype(jnp.int32)
     kv_len = kv_len.astype(jnp.int32)

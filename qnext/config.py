@@ -70,6 +70,9 @@ class ModelConfig:
                                    # the layers use; resolved once (with_backend), static under jit
     gpu_kernels: str | None = None  # "mosaic" | "triton": the Pallas GPU backend, chosen at engine start
                                     # (pallas_kernels/backend_choice.py); None: chosen by the ops on first use
+    mrope_section: tuple[int, ...] = ()  # Qwen3.5: rotary frequencies per position axis (t, h, w), interleaved;
+                                         # used only with 3-D positions (qnext/vision/mrope.py)
+    kv_cache_scale: float = 1.0     # an fp8 KV cache stores value / kv_cache_scale (engine option, attention.py)
 
     def with_backend(self, backend: str | None = None) -> "ModelConfig":
         """This config with its backend resolved: the given one, else its own, else JAX's default backend."""

@@ -143,6 +143,7 @@ def _text_fields(c: dict[str, Any], model_type: str) -> dict[str, Any]:
         bos_token_id=None if c.get("bos_token_id") is None else _int(c["bos_token_id"], "bos_token_id", 0),
         eos_token_ids=_as_ids(c.get("eos_token_id"), "eos_token_id"),
         pad_token_id=None if c.get("pad_token_id") is None else _int(c["pad_token_id"], "pad_token_id", 0),
+        mrope_section=_mrope_section(c, family),
     )
     _check_consistency(fields)
     return fields
@@ -188,6 +189,18 @@ def _parse_rope(c: dict[str, Any], max_pos: int) -> tuple[float, float, dict[str
         truncate=bool(params.get("truncate", True)),
     )
     return theta, partial, scaling
+
+
+def _mrope_section(c: dict[str, Any], family: str) -> tuple[int, ...]:
+    """Qwen3.5's interleaved MRoPE split of the rotary frequencies over (t, h, w); transformers' default
+    [11, 11, 10] when the config has none. Qwen3-Next has no 3-D positions: ()."""
+    if family == "qwen3_next":
+        return ()
+    params = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    section = params.get("mrope_section", [11, 11, 10]) if isinstance(params, dict) else [11, 11, 10]
+    if not isinstance(section, (list, tuple)) or len(section) != 3:
+        raise ValueError(f"config field 'mrope_section' must list 3 integers (t, h, w), got {section!r}")
+    return tuple(_int(v, "mrope_section", 0) for v in section)
 
 
 def _check_consistency(f: dict[str, Any]) -> None:

@@ -14,6 +14,8 @@
    side, no chat workload), with the engine's automatic kernel backend. Its checkpoint and JAX compilation cache go
    to --bench-dir (default: a new folder in the temp dir, not next to the report); its JSON and its log (clipped)
    go next to the report: <report stem>_bench.json and <report stem>_bench.log.
+3. FP8 rows (scripts/gpu_check_fp8.py): paged attention over e4m3 KV pages, and the fp8 matmul's two formulations
+   against the bf16 GEMM of the dequantised weights (error, time, XLA's temporary bytes).
 --kernels and --models run only some ops / model shapes (the bench still runs unless --no-bench).
 The JSON report holds the environment (JAX version, device, compute capability, the automatic backend choice and
 why), every kernel row and the bench's own JSON. A stage that would run past --budget-s is skipped and marked so.
@@ -174,13 +176,17 @@ def check_case(name, op, args, kwargs, backend, repeats, reference=None):
 
 
 KERNELS = ("paged_attention", "chunk_gated_delta_rule", "recurrent_gated_delta_rule", "causal_conv1d_update",
-           "causal_conv1d_chunked")       # the op of a case is the first word of its name
+           "causal_conv1d_chunked", "fp8_linear")       # the op of a case is the first word of its name
 
 
 def run_kernels(backends, repeats, deadline, models=tuple(MODELS), kernels=KERNELS):
+    import gpu_check_fp8 as fp8
+
     rows = []
     for model in models:
-        for name, op, make_args, kwargs in kernel_cases(model):
+        fp8_cases = fp8.fp8_attention_cases(model, MODELS, (DECODE_ROWS, DECODE_KV_LEN),
+                                            (PREFILL_SEQS, PREFILL_KV_LEN, C), BLOCK_SIZE, D)
+        for name, op, make_args, kwargs in kernel_cases(model) + fp8_cases:
             if name.split()[0] not in kernels:
                 continue
             reference = args = None
@@ -198,6 +204,13 @@ def run_kernels(backends, repeats, deadline, models=tuple(MODELS), kernels=KERNE
                                traceback=traceback.format_exc(limit=4))
                 rows.append(row)
                 print(_row_line(row), flush=True)
+    if "fp8_linear" in kernels:
+        for row in fp8.fp8_matmul_rows(models, repeats, deadline):
+            rows.append(row)
+            if "skipped" not in row:
+                    print(_row_line(row) + (f"  temp {row['temp_bytes'] / 2**20:.0f} MiB (weight "
+                                        f"{row['weight_bytes'] / 2**20:.0f} MiB)" if "temp_bytes" in row else ""),
+                      flush=True)
     return rows
 
 

@@ -4,6 +4,11 @@ cache/sizing.py's plan_cache). Pure host arithmetic: nothing is allocated or com
 
     python scripts/scale_plan.py                       # Qwen3.5-397B-A17B, 8 x H200, bf16
     python scripts/scale_plan.py --devices 8 --device-gib 140 --activation-gib 4 --max-num-seqs 256
+    python scripts/scale_plan.py --device-gib 80 --weights fp8 --kv-cache-dtype fp8   # 8 x H100 80 GB, FP8 release
+
+FP8 weights count as the release stores them (qnext/model/fp8_blocks.py): e4m3 linear weights (1 byte) plus a
+float32 scale per 128 x 128 block, the release's ignore list (embeddings, lm_head, router, shared-expert gate, conv1d,
+the decay-gate rows b / a of in_proj, norms, A_log, dt_bias) in bf16.
 """
 from __future__ import annotations
 
@@ -35,13 +40,36 @@ FLAGSHIP = {
 }
 
 
-def weight_bytes_per_device(cfg: ModelConfig, tp: int, dtype) -> dict[str, int]:
-    """Bytes one device holds, by part: split params count 1/tp, replicated ones whole."""
+_FP8_LEAVES = ("in_proj", "out_proj", "qkv_proj", "o_proj", "gate_up", "down", "experts_gate_up", "experts_down",
+               "shared_gate_up", "shared_down")
+
+
+def _fp8_bytes(cfg: ModelConfig, path, spec) -> int:
+    """A leaf's bytes as the FP8 release stores it: e4m3 + a float32 scale per 128 x 128 block (whole tensors)."""
+    import numpy as np
+
+    n = int(np.prod(spec.shape))
+    if path[-1] not in _FP8_LEAVES:
+        return 2 * n
+    bf16_rows = 0
+    if path[-1] == "in_proj":                   # the decay-gate rows b | a stay bf16
+        bf16_rows = 2 * cfg.linear_num_value_heads
+    rows, cols = spec.shape[-2:]
+    lead = n // (rows * cols)
+    fp8_rows = rows - bf16_rows
+    blocks = lead * -(-fp8_rows // 128) * -(-cols // 128)
+    return lead * (fp8_rows * cols + 2 * bf16_rows * cols) + 4 * blocks
+
+
+def weight_bytes_per_device(cfg: ModelConfig, tp: int, dtype, weights: str = "bf16") -> dict[str, int]:
+    """Bytes one device holds, by part: split params count 1/tp, replicated ones whole. weights "fp8": as the FP8
+    release stores them (kept in e4m3 on the device, the GPU path of qnext/model/fp8_linear.py)."""
     sharded = sharded_model_config(cfg, tp)
     parts: dict[str, int] = {}
 
     def count(path, spec):
-        size = int(spec.dtype.itemsize) * int(__import__("numpy").prod(spec.shape))
+        size = (_fp8_bytes(sharded, path, spec) if weights == "fp8"
+                else int(spec.dtype.itemsize) * int(__import__("numpy").prod(spec.shape)))
         held = size // tp if tp > 1 and _split_axis(spec, sharded) is not None else size
         part = ("experts" if "experts_" in str(path[-1]) else "shared expert / router" if path[0] == "layers"
                 and path[2] == "mlp" else "attention / DeltaNet" if path[0] == "layers" else "embed / lm_head / norms")
@@ -61,22 +89,27 @@ def main(argv=None) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--max-num-snapshots", type=int, default=None)
+    p.add_argument("--weights", default="bf16", choices=["bf16", "fp8"], help="the checkpoint's weight format")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the engine option (auto: bf16; fp8: e4m3)")
+    p.add_argument("--mamba-ssm-cache-dtype", default="auto", help="the engine option (stored snapshots)")
     args = p.parse_args(argv)
     tp, dtype = args.devices, as_dtype("bfloat16")
     base = ModelConfig.from_hf_config(FLAGSHIP)
     print(f"# {base.num_hidden_layers} layers: {len(base.full_layer_ids)} full attention, "
-          f"{len(base.linear_layer_ids)} DeltaNet; {tp} devices of {args.device_gib} GiB, bf16\n")
+          f"{len(base.linear_layer_ids)} DeltaNet; {tp} devices of {args.device_gib} GiB, {args.weights} weights, "
+          f"kv_cache_dtype {args.kv_cache_dtype}\n")
     for expert_parallel in (False, True):
         cfg = parallel_config(base, tp, expert_parallel)
-        parts = weight_bytes_per_device(cfg, tp, dtype)
+        parts = weight_bytes_per_device(cfg, tp, dtype, args.weights)
         weights = sum(parts.values())
         budget = int(args.gpu_memory_utilization * args.device_gib * GIB) - weights - int(args.activation_gib * GIB)
         config = EngineConfig(tensor_parallel_size=tp, enable_expert_parallel=expert_parallel, dtype="bfloat16",
                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                               max_num_batched_tokens=max(8192, args.max_num_seqs),
-                              kv_cache_memory_bytes=budget, max_num_snapshots=args.max_num_snapshots)
+                              kv_cache_memory_bytes=budget, max_num_snapshots=args.max_num_snapshots,
+                              kv_cache_dtype=args.kv_cache_dtype, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
         sizes = cache_sizes(cfg, config, args.max_model_len)
-        layout = cache_layout(sharded_model_config(cfg, tp), dtype)
+        layout = cache_layout(sharded_model_config(cfg, tp), dtype, 0, args.kv_cache_dtype, args.mamba_ssm_cache_dtype)
         print(f"## {'EP' if expert_parallel else 'TP'}{tp}: weights {weights / GIB:.2f} GiB per device "
               + ", ".join(f"{k} {v / GIB:.2f}" for k, v in parts.items()))
         print(f"cache budget {budget / GIB:.2f} GiB = {args.gpu_memory_utilization} x {args.device_gib} - weights - "

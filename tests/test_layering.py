@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # package -> the packages of ours it must not import
 FORBIDDEN = {
     "qnext/model": ("qnext.engine", "qnext.flax", "qnext.server", "qnext.llm"),
+    "qnext/vision": ("qnext.engine", "qnext.flax", "qnext.server", "qnext.llm"),
     "qnext/engine": ("qnext.flax", "qnext.server", "qnext.llm"),
     "qnext/testing": ("qnext.server", "qnext.engine", "qnext.llm"),
     "cache": ("qnext",),

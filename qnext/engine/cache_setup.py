@@ -56,12 +56,17 @@ def device_memory_stats() -> dict | None:
     return engine_devices()[0].memory_stats()
 
 
+def engine_cache_layout(cfg: ModelConfig, c: EngineConfig) -> CacheLayout:
+    """The buffers' layout for the engine's options: model dtype, MTP KV layers, the cache's storage dtypes."""
+    return cache_layout(cfg, as_dtype(c.dtype), c.num_mtp_kv_layers, c.kv_cache_dtype, c.mamba_ssm_cache_dtype)
+
+
 def cache_sizes(cfg: ModelConfig, c: EngineConfig, max_model_len: int, activation_bytes=lambda: 0) -> CacheSizes:
     """The split of the cache budget. `activation_bytes()` is asked only on the GPU path (it compiles). Bytes are
     per device: under tensor parallelism each holds 1/tp of the heads (KV heads replicated where tp exceeds them)."""
     tp = c.tensor_parallel_size
     cfg = sharded_model_config(cfg, tp)
-    layout = cache_layout(cfg, as_dtype(c.dtype), c.num_mtp_kv_layers)
+    layout = engine_cache_layout(cfg, c)
     hybrid = bool(cfg.linear_layer_ids)
     split = tp if cfg.attention_tensor_parallel else 1                # buffers split by head, or whole
     kv_per_block = layout.kv_bytes_per_block(c.block_size) // split     # per device
@@ -112,9 +117,9 @@ def host_tier_sizes(cfg: ModelConfig, c: EngineConfig, sizes: CacheSizes) -> tup
     """(host-tier KV blocks, host-tier snapshot slots). The host keeps whole (unsharded) blocks and rows."""
     if not c.enable_prefix_caching:
         return 0, 0
-    layout = cache_layout(sharded_model_config(cfg, c.tensor_parallel_size), as_dtype(c.dtype), c.num_mtp_kv_layers)
+    layout = engine_cache_layout(sharded_model_config(cfg, c.tensor_parallel_size), c)
     block_bytes = layout.kv_bytes_per_block(c.block_size)
-    row_bytes = layout.state_bytes_per_row if cfg.linear_layer_ids else 0
+    row_bytes = layout.host_state_bytes_per_row if cfg.linear_layer_ids else 0
     budget = int(c.kv_offloading_size * GIB)
     if budget:
         scale = budget / (sizes.num_blocks * block_bytes + sizes.num_snapshot_rows * row_bytes)
@@ -135,7 +140,7 @@ def make_cache(cfg: ModelConfig, c: EngineConfig, sizes: CacheSizes, mesh=None,
                          num_snapshot_slots=sizes.num_snapshot_rows, enable_prefix_caching=c.enable_prefix_caching,
                          hybrid=bool(cfg.linear_layer_ids), num_host_blocks=host_blocks,
                          num_host_snapshot_slots=host_snapshots)
-    layout: CacheLayout = cache_layout(cfg, as_dtype(c.dtype), c.num_mtp_kv_layers)
+    layout: CacheLayout = engine_cache_layout(cfg, c)
     allocate = functools.partial(allocate_cache_buffers, layout, num_blocks=sizes.num_blocks + 1,
                                  block_size=c.block_size,
                                  num_state_rows=num_state_rows(sizes.num_live_rows, sizes.num_snapshot_rows))
@@ -158,12 +163,14 @@ def make_cache(cfg: ModelConfig, c: EngineConfig, sizes: CacheSizes, mesh=None,
 
 def prefix_cache_fingerprint(cfg: ModelConfig, c: EngineConfig, weights_digest: str) -> dict:
     """What a persisted cache is bound to (cache/fingerprint.py): the model config (its kernels' backends aside), the
-    weights' digest, the dtype, the block size and the cache layout's version."""
+    weights' digest, the dtype, the storage dtypes of KV and snapshots, the block size and the cache layout's version."""
     cfg = sharded_model_config(cfg, c.tensor_parallel_size)      # its buffers' layout (replicated heads)
     config = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("backend", "gpu_kernels")}
     if c.num_mtp_kv_layers:                      # the blocks also hold the MTP head's KV
         config["mtp_kv_layers"] = c.num_mtp_kv_layers
-    return cache_fingerprint(config, weights_digest, c.dtype, c.block_size)
+    layout = engine_cache_layout(cfg, c)
+    return cache_fingerprint(config, weights_digest, c.dtype, c.block_size, kv_dtype=layout.kv_storage,
+                             snapshot_dtype=layout.snapshot_dtype)
 
 
 def params_weights_digest(params) -> str:

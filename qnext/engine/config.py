@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from cache.cache_dtypes import kv_storage_dtype, snapshot_storage_dtype
 from qnext.config import ModelConfig
 from qnext.model.rope import position_limit, position_limit_error
 
@@ -44,6 +45,9 @@ class EngineConfig:
                                               # tokens a step with the checkpoint's MTP head (docs/speculative.md)
     gpu_kernel_backend: str = "auto"          # Pallas GPU kernels: "auto" (Mosaic GPU on Hopper with JAX >= 0.10.2,
                                               # else Triton), "mosaic" or "triton" (pallas_kernels/backend_choice.py)
+    kv_cache_dtype: str = "auto"              # vLLM's: "fp8" stores attention KV as e4m3 (cache/cache_dtypes.py)
+    kv_cache_scale: float = 1.0               # fp8 KV: stored = value / scale (vLLM's default 1.0 for hybrids)
+    mamba_ssm_cache_dtype: str = "auto"       # vLLM's: stored snapshots' recurrent state ("bfloat16"; auto: float32)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk", "num_scheduler_steps",
@@ -60,6 +64,9 @@ class EngineConfig:
                              f"({self.max_num_seqs})")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        kv_storage_dtype(self.kv_cache_dtype, self.dtype), snapshot_storage_dtype(self.mamba_ssm_cache_dtype)
+        if not isinstance(self.kv_cache_scale, (int, float)) or not self.kv_cache_scale > 0:
+            raise ValueError(f"kv_cache_scale must be a positive number, got {self.kv_cache_scale!r}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not isinstance(self.snapshot_memory_fraction, (int, float)) or not 0 <= self.snapshot_memory_fraction <= 1:

@@ -108,6 +108,7 @@ class LLMEngine:
         """mtp: the MTP head's params when the engine speculates; drafter(cfg, mtp, config) makes the runner's
         Drafter (engine option `drafter`: a subclass drafts otherwise, e.g. qnext/bench/oracle_drafts.py)."""
         cfg = cfg.with_backend()             # kernels and layouts chosen once, for every layer and step
+        cfg = dataclasses.replace(cfg, kv_cache_scale=float(config.kv_cache_scale))
         if cfg.backend == "gpu":             # Pallas Mosaic GPU or Triton, logged (pallas_kernels/backend_choice.py)
             from pallas_kernels.backend_choice import resolve_gpu_kernel_backend
             cfg = dataclasses.replace(cfg, gpu_kernels=resolve_gpu_kernel_backend(config.gpu_kernel_backend))

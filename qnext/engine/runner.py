@@ -215,7 +215,8 @@ class ModelRunner:
         segments = [Segment([0] * 2, 0, [0], -1, 0)] if s.num_chunks else [Segment([0], 0, [0], -1, 0)] * 2
         inputs = build_step_inputs(segments, s, block_size=self.config.block_size, chunk=bucket.chunk)
         layout = cache_layout(sharded_model_config(self.cfg, self.config.tensor_parallel_size),
-                              self.params["embed"].dtype)
+                              self.params["embed"].dtype, 0, self.config.kv_cache_dtype,
+                              self.config.mamba_ssm_cache_dtype)
         params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.params)
 
         def temp_and_cache_bytes(num_blocks, num_rows):

@@ -4,6 +4,8 @@
     logits = model(input_ids, attention_mask)            # [B, T] int32 (left padding) -> [B, T, V] float32
     config, params = qnext.flax.engine_params(model)     # the engine's weights pytree, a view of the module
     qnext.flax.save_pretrained(model, out_dir)           # Hugging Face checkpoint in the source's layout
+    logits = model(input_ids, attention_mask, **qnext.flax.image_batch(model, input_ids, attention_mask, visuals))
+                                                         # images / video (a VL checkpoint's tower, qnext/vision)
 
 The forward runs the engine's layer code with dense cores for the sequence mixers (qnext/model/dense.py):
 causal attention with a padding mask and the jnp chunked gated delta rule, on every backend, because the engine's
@@ -18,8 +20,11 @@ from qnext.flax.model import (
     as_engine_params,
     engine_params,
     from_pretrained,
+    vision_params,
 )
+from qnext.flax.vision import VisionTower, image_batch
 from qnext.flax.save import save_pretrained
 
 __all__ = ["DecoderLayer", "HybridCausalLM", "ParamGroup", "SourceCheckpoint", "as_engine_params", "dense_forward",
-           "engine_params", "from_pretrained", "save_pretrained"]
+           "engine_params", "from_pretrained", "image_batch", "save_pretrained",
+           "vision_params", "VisionTower"]

@@ -15,9 +15,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from qnext.flax.model import HybridCausalLM, engine_params
+from qnext.flax.model import HybridCausalLM, engine_params, vision_params
 from qnext.model.hf_export import TEXT_PREFIX, VLM_TEXT_PREFIX, to_hf_tensors
 from qnext.model.loader import INDEX_FILE, SINGLE_FILE, checkpoint_files
+from qnext.model.vision_weights import PREFIX as VISION_PREFIX, to_hf_vision_tensors
 
 PASS_THROUGH_PREFIXES = ("model.visual.", "mtp.")   # stored by the source, not used by the engine: copied as is
 _NOT_COPIED = {"config.json", INDEX_FILE}
@@ -42,6 +43,9 @@ def save_pretrained(model: HybridCausalLM, out_dir: str | Path, *, fused_experts
     prefix = VLM_TEXT_PREFIX if "text_config" in hf_config else TEXT_PREFIX
     tensors = to_hf_tensors(params, cfg, prefix=prefix, fused_experts=fused_experts)
     tensors.update(pass_through)
+    if model.vision is not None:                   # the tower as trained, not the source's copy
+        tensors = {k: v for k, v in tensors.items() if not k.startswith(VISION_PREFIX)}
+        tensors.update(to_hf_vision_tensors(jax.device_get(vision_params(model)), model.vision.config))
 
     out.mkdir(parents=True, exist_ok=True)
     if source_dir is not None:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 import pallas_kernels as ops
 from qnext.config import ModelConfig
+from qnext.model.fp8_blocks import E4M3_MAX
 from qnext.model.groups import from_groups, query_positions, to_decode, to_prefill
 from qnext.model.linear import linear
 from qnext.model.norms import rms_norm
@@ -44,16 +45,24 @@ def attention_output(p, attended, gate, dtype):
 
 
 def full_attention(p, x, kv, inputs: StepInputs, cfg: ModelConfig):
-    """x: [T, H]; kv: (k_pages, v_pages). Returns (out [T, H], kv)."""
-    q, gate, k, v = attention_inputs(p, x, inputs.positions, cfg)
+    """x: [T, H]; kv: (k_pages, v_pages). Returns (out [T, H], kv).
+
+    fp8 pages (kv_cache_dtype fp8) hold k / s and v / s (s = cfg.kv_cache_scale), clipped to e4m3's range; the
+    scale comes back as a factor of the softmax scale (scores q.k) and of the output (p.v), both in float32."""
+    rope_positions = inputs.positions if inputs.rope_positions is None else inputs.rope_positions
+    q, gate, k, v = attention_inputs(p, x, rope_positions, cfg)
+    fp8 = kv[0].dtype == jnp.float8_e4m3fn
+    scale = cfg.kv_cache_scale if fp8 else 1.0
+    if fp8:
+        k, v = (jnp.clip(t.astype(jnp.float32) / scale, -E4M3_MAX, E4M3_MAX) for t in (k, v))
     k_pages, v_pages = ops.write_kv(*kv, k, v, inputs.slot_mapping, implementation=cfg.kernels)
 
     def attend(q_groups, groups):
         if groups.length.shape[0] == 0:            # static: the bucket has no groups of this kind
             return jnp.zeros(q_groups.shape, jnp.float32)
         return ops.paged_attention(q_groups, k_pages, v_pages, groups.block_table, groups.kv_len,
-                                   query_positions(groups, inputs.positions), sm_scale=cfg.head_dim ** -0.5,
-                                   implementation=cfg.kernels)
+                                   query_positions(groups, inputs.positions), sm_scale=cfg.head_dim ** -0.5 * scale,
+                                   implementation=cfg.kernels) * scale
 
     out_decode = attend(to_decode(q, inputs)[:, None], inputs.decode)[:, 0]
     out_prefill = attend(to_prefill(q, inputs), inputs.prefill)

@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from qnext.config import ModelConfig
+from qnext.model.host_devices import engine_devices
 from qnext.model.loader import convert_checkpoint, load_params
 from qnext.model.mtp import load_mtp_params
 from qnext.model.placement import place_params
 from qnext.model.tensor_parallel import parallel_config
+from qnext.model.vision_weights import load_vision_params
 from qnext.model.weights import as_dtype
 
 
@@ -25,6 +27,8 @@ class Checkpoint:
     config: ModelConfig          # the global config with the parallel layout (tensor_parallel.parallel_config)
     params: dict[str, Any]       # placed: committed to the engine's first device, or sharded over its mesh
     mtp: dict[str, Any] | None   # the MTP head (model/mtp.py) when asked for and the checkpoint has one
+    vision: dict[str, Any] | None = None  # the vision tower (qnext/vision/tower.py) when asked for and present,
+                                          # on the engine's first device (replicated under tensor parallelism)
 
 
 def read_config(path: str | Path) -> ModelConfig:
@@ -36,11 +40,12 @@ def read_config(path: str | Path) -> ModelConfig:
 
 def load_checkpoint(path: str | Path, dtype: Any = "float32", *, tensor_parallel_size: int = 1,
                     expert_parallel: bool = False, attention_tensor_parallel: bool = True, with_mtp: bool = False,
-                    cache_dir: str | Path | None = None) -> Checkpoint:
+                    cache_dir: str | Path | None = None, with_vision: bool = False) -> Checkpoint:
     """Reads the checkpoint in `path` with weights in `dtype` (float32 or bfloat16; A_log and dt_bias stay
     float32), placed for `tensor_parallel_size` devices; the parallel layout is checked against the model before
     any tensor is read. with_mtp: the MTP head too (None when the checkpoint has none). cache_dir: the
-    converted-params cache (loader.load_params; one device only)."""
+    converted-params cache (loader.load_params; one device only). with_vision: the vision tower too (None when
+    the checkpoint has none)."""
     path, dt = Path(path), as_dtype(dtype)
     cfg = parallel_config(read_config(path), tensor_parallel_size, expert_parallel, attention_tensor_parallel)
     if tensor_parallel_size > 1:
@@ -49,4 +54,10 @@ def load_checkpoint(path: str | Path, dtype: Any = "float32", *, tensor_parallel
         params = place_params(convert_checkpoint(path, cfg, dt), cfg, dt, tensor_parallel_size)
     else:
         params = load_params(path, cfg, dt, cache_dir=cache_dir)
-    return Checkpoint(cfg, params, load_mtp_params(path, cfg, dt) if with_mtp else None)
+    vision = None
+    if with_vision:
+        import jax
+
+        device = engine_devices()[0]
+        vision = load_vision_params(path, dt, place=lambda a: jax.device_put(a, device))
+    return Checkpoint(cfg, params, load_mtp_params(path, cfg, dt) if with_mtp else None, vision)

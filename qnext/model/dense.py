@@ -74,10 +74,13 @@ def dense_decoder_layer(p, x, positions, mask, cfg: ModelConfig, layer: int):
     return x + feed_forward(p["mlp"], rms_norm(x, p["post_attn_norm"], cfg.rms_norm_eps), cfg, layer)
 
 
-def dense_hidden(params, input_ids, attention_mask, cfg: ModelConfig):
+def dense_hidden(params, input_ids, attention_mask, cfg: ModelConfig, visual_embeds=None, visual_mask=None,
+                 rope_positions=None):
     """params: the engine's weights pytree (docs/CONTRACTS.md); input_ids: [B, T] int; attention_mask: [B, T] of
-    1 (token) / 0 (left padding), or None. Returns (final-normed hidden states [B, T, H], logits [B, T, V]
-    float32)."""
+    1 (token) / 0 (left padding), or None. Images and video (qnext/vision): visual_embeds [N, H], the tower's
+    output, replaces the embeddings where visual_mask [B, T] is True, in row-major order; rope_positions [3, B, T]
+    the MRoPE positions (qnext/vision/mrope.batch_mrope_positions). Returns (final-normed hidden states
+    [B, T, H], logits [B, T, V] float32)."""
     if cfg.tensor_parallel_size != 1:
         raise ValueError(f"the dense forward runs one device's whole model; got a tensor-parallel shard config "
                          f"(tensor_parallel_size={cfg.tensor_parallel_size})")
@@ -91,7 +94,13 @@ def dense_hidden(params, input_ids, attention_mask, cfg: ModelConfig):
         if mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask has shape {mask.shape}; input_ids has {input_ids.shape}")
     positions = jnp.maximum(jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0)   # real tokens count from 0
+    if rope_positions is not None:
+        positions = jnp.asarray(rope_positions)
+        if positions.shape != (3,) + input_ids.shape:
+            raise ValueError(f"rope_positions has shape {positions.shape}; expected {(3,) + input_ids.shape}")
     x = params["embed"][input_ids]
+    if visual_embeds is not None:
+        x = place_visual_embeds(x, visual_embeds, visual_mask)
     for i, p in enumerate(params["layers"]):
         with jax.named_scope(f"layer_{i}"):
             x = dense_decoder_layer(p, x, positions, mask, cfg, i)
@@ -99,6 +108,15 @@ def dense_hidden(params, input_ids, attention_mask, cfg: ModelConfig):
     return h, linear(h, params["lm_head"], preferred_element_type=jnp.float32)
 
 
-def dense_forward(params, input_ids, attention_mask, cfg: ModelConfig):
-    """Logits [B, T, V] float32 of dense_hidden."""
-    return dense_hidden(params, input_ids, attention_mask, cfg)[1]
+def dense_forward(params, input_ids, attention_mask, cfg: ModelConfig, **visual):
+    """Logits [B, T, V] float32 of dense_hidden (visual: its visual_embeds, visual_mask, rope_positions)."""
+    return dense_hidden(params, input_ids, attention_mask, cfg, **visual)[1]
+
+
+def place_visual_embeds(x, visual_embeds, visual_mask):
+    """x: [B, T, H]; visual_embeds: [N, H]; visual_mask: [B, T] bool with N True entries. Row-major masked scatter
+    (the i-th True position takes row i), differentiable in both x and visual_embeds."""
+    flat_mask = jnp.asarray(visual_mask).reshape(-1)
+    order = jnp.clip(jnp.cumsum(flat_mask, dtype=jnp.int32) - 1, 0, visual_embeds.shape[0] - 1)
+    flat = jnp.where(flat_mask[:, None], visual_embeds.astype(x.dtype)[order], x.reshape(-1, x.shape[-1]))
+    return flat.reshape(x.shape)

@@ -23,6 +23,8 @@ def decoder_stack(params, buffers: CacheBuffers, inputs: StepInputs, cfg: ModelC
     inputs, cfg) -> (out, conv, recurrent)` replaces the Gated DeltaNet core (the verify step's per-position form)."""
     linear_layer = linear_layer or gated_deltanet
     x = params["embed"][inputs.token_ids]
+    if inputs.visual_embeds is not None:          # image / video pad tokens take the tower's output
+        x = x.at[inputs.visual_token_index].set(inputs.visual_embeds.astype(x.dtype), mode="drop")
     kv, conv, recurrent = list(buffers.kv), list(buffers.conv), list(buffers.recurrent)
     kv_i = lin_i = 0
     for i, p in enumerate(params["layers"]):

@@ -1,6 +1,7 @@
 """Hugging Face safetensors checkpoint -> weights pytree (docs/CONTRACTS.md).
 
-Handles single-file and sharded checkpoints, the Qwen3.5 VLM prefix `model.language_model.` (skipping
+Handles single-file and sharded checkpoints, block-quantised FP8 checkpoints as released (dequantised here, in
+float32, before the leaf is combined; fp8_blocks.py), the Qwen3.5 VLM prefix `model.language_model.` (skipping
 `model.visual.*` and `mtp.*`), Qwen3-Next's per-key-head interleaved `in_proj_qkvz` / `in_proj_ba`, Qwen3.5's split
 GDN projections, per-head [q | gate] rows of `q_proj`, and per-expert or fused experts. Dense weights keep HF's
 [out, in]; expert stacks become [E, in, out].
@@ -19,6 +20,8 @@ import numpy as np
 
 from qnext.config import ModelConfig, read_json
 from qnext.model import converted_cache
+from qnext.model.fp8_blocks import Fp8Scheme, dequantize, quantization_problem, scale_name
+from qnext.model.safetensors_fp8 import FLOAT8_DTYPES, Float8File
 from qnext.model.weights import ParamSpec, as_dtype, map_specs, param_specs
 from qnext.model.host_devices import engine_devices
 
@@ -245,6 +248,9 @@ class _Tensors:
         self._stack = contextlib.ExitStack()
         self._where: dict[str, tuple[Any, str, str]] = {}  # name -> (handle, original name, file name)
         self._used: set[str] = set()
+        config = path / "config.json"
+        self._fp8 = Fp8Scheme.from_hf_config(read_json(config)) if config.is_file() else None
+        self._float8_files: dict[str, Float8File] = {}  # file name -> header, for the fp8 tensors' reads
 
     def __enter__(self) -> "_Tensors":
         from safetensors import safe_open
@@ -280,11 +286,29 @@ class _Tensors:
                 raise CheckpointError(
                     f"tensor {original!r} in {file} has shape {got}; the config expects {tuple(shape)}"
                 )
+            self._check_quantization(name, got, handle.get_slice(original).get_dtype())
             self._used.add(name)
 
+    def _check_quantization(self, name: str, shape: tuple[int, ...], dtype: str) -> None:
+        """fp8_blocks.quantization_problem, as a CheckpointError naming the tensor; a checked scale is marked used."""
+        _, original, file = self._where[name]
+        scale = self._where.get(scale_name(name))
+        scale_shape = None if scale is None else tuple(scale[0].get_slice(scale[1]).get_shape())
+        problem = quantization_problem(self._fp8, name, shape, dtype, dtype in FLOAT8_DTYPES, scale_shape)
+        if problem:
+            raise CheckpointError(f"tensor {original!r} in {file} {problem}")
+        if dtype in FLOAT8_DTYPES:
+            self._used.add(scale_name(name))
+
     def read(self, name: str) -> np.ndarray:
-        handle, original, _ = self._where[name]
-        return handle.get_tensor(original)
+        handle, original, file = self._where[name]
+        if handle.get_slice(original).get_dtype() not in FLOAT8_DTYPES:
+            return handle.get_tensor(original)
+        if file not in self._float8_files:
+            self._float8_files[file] = Float8File(self._path / file)
+        s_handle, s_original, _ = self._where[scale_name(name)]
+        return dequantize(self._float8_files[file].read(original), s_handle.get_tensor(s_original),
+                          self._fp8.block_size)
 
     def check_all_used(self) -> None:
         unused = [n for n in self._where if n not in self._used]

@@ -12,6 +12,7 @@ from qnext.model.cache_buffers import model_cache_buffers
 from qnext.model.checkpoint import load_checkpoint
 from qnext.model.forward import make_step
 from qnext.model.step_inputs import Segment, build_step_inputs
+from qnext.model.visual_inputs import with_visual_inputs
 from qnext.model.weights import as_dtype
 
 SCORING_BLOCK_SIZE = 16
@@ -23,6 +24,7 @@ class Model:
     config: ModelConfig
     params: dict
     dtype: np.dtype
+    kv_cache_dtype: str = "auto"   # "fp8": the step writes and reads e4m3 KV pages, as an engine with that option
 
     def __post_init__(self):
         self._step = make_step(self.config)
@@ -36,16 +38,22 @@ class Model:
             raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {self.config.vocab_size})")
         return ids
 
-    def logits(self, token_ids) -> np.ndarray:
-        """Logits [len(token_ids), vocab_size] (float32) of one sequence, computed in one prefill step."""
+    def logits(self, token_ids, rope_positions=None, visual_embeds=None, visual_token_index=None) -> np.ndarray:
+        """Logits [len(token_ids), vocab_size] (float32) of one sequence, computed in one prefill step. Images and
+        video: rope_positions [3, len] (qnext/vision/mrope.py), visual_embeds [N, H] (the tower's output) placed
+        at the tokens visual_token_index [N]."""
         ids = self.vocab_check(token_ids)
         n = len(ids)
         sizes = scoring_sizes(n, chunk=SCORING_CHUNK, block_size=SCORING_BLOCK_SIZE)
         buffers = model_cache_buffers(self.config, num_blocks=sizes.max_blocks + 1, block_size=SCORING_BLOCK_SIZE,
-                                      num_state_rows=2, dtype=self.dtype)
+                                      num_state_rows=2, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype)
         seg = Segment(token_ids=ids.tolist(), start=0, block_table=list(range(1, sizes.max_blocks + 1)), read_row=-1,
                       write_row=1, all_logits=True)
         inputs = build_step_inputs([seg], sizes, block_size=SCORING_BLOCK_SIZE, chunk=SCORING_CHUNK)
+        if rope_positions is not None or visual_embeds is not None:
+            # visual rows padded to the token bucket: one compilation per bucket, whatever the image sizes
+            inputs = with_visual_inputs(inputs, rope_positions, visual_embeds, visual_token_index,
+                                        num_visual_rows=sizes.num_tokens)
         logits, _ = self._step(self.params, buffers, inputs)
         return np.asarray(logits[:n])
 

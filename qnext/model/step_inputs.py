@@ -37,6 +37,13 @@ class StepInputs:
     prefill: RowGroups         # L = chunk
     token_source: jnp.ndarray  # [T] int32 row of concat(decode rows, prefill rows) holding token t
     logits_index: jnp.ndarray  # [M] int32 flat tokens whose logits the step returns
+    # Images and video (qnext/vision; None for text only, which then traces exactly as without them):
+    rope_positions: jnp.ndarray | None = None      # [T] or [3, T] int32 RoPE positions (3-D: MRoPE t, h, w) where
+                                                   # they differ from `positions` (which stay the token indices
+                                                   # that place KV and mask attention)
+    visual_embeds: jnp.ndarray | None = None       # [N, H] the tower's output for image / video pad tokens
+    visual_token_index: jnp.ndarray | None = None  # [N] int32 flat token each row replaces the embedding of;
+                                                   # padding rows: T (out of range, dropped)
 
 
 @dataclasses.dataclass

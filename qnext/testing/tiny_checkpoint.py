@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from qnext.testing.tiny_vision import TINY_IMAGE_PREPROCESSING, TINY_VISION, vision_tensors
+
 FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 TOKENIZERS = ("tiny", "qwen3.5")
 _TEXT_TYPE = {"qwen3_next": "qwen3_next", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
@@ -25,10 +27,6 @@ _CAUSAL_LM = {
     "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
 }
 _VLM = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
-_TINY_VISION = {
-    "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "in_channels": 3, "patch_size": 4,
-    "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 16, "hidden_act": "gelu_pytorch_tanh",
-}
 _TINY_VISION_IDS = {"image_token_id": 500, "video_token_id": 501, "vision_start_token_id": 502,
                     "vision_end_token_id": 503}
 _QWEN35_VISION_IDS = {"image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053,
@@ -120,7 +118,7 @@ def write_tiny_checkpoint(
     np_dtype = as_dtype(dtype)
     text = tiny_hf_config(family, tie_word_embeddings=tie_word_embeddings, dtype=np_dtype.name, **config_overrides)
     if vlm:
-        vision = dict(_TINY_VISION, out_hidden_size=text["hidden_size"], model_type=f"{family}_vision")
+        vision = dict(TINY_VISION, out_hidden_size=text["hidden_size"], model_type=f"{family}_vision")
         config = {
             "architectures": [_VLM[family]],
             "model_type": family,
@@ -139,12 +137,14 @@ def write_tiny_checkpoint(
     if vlm:
         tensors = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
                    for k, v in tensors.items()}
-        tensors.update(_vision_tensors(config["vision_config"], rng))
+        tensors.update(vision_tensors(config["vision_config"], rng))
     tensors = {k: v.astype(np_dtype) for k, v in sorted(tensors.items())}
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "config.json", config)
+    if vlm:
+        _write_json(out / "preprocessor_config.json", TINY_IMAGE_PREPROCESSING)
     _write_safetensors(out, tensors, num_shards)
     tokenizer_eos = _write_tokenizer(out, cfg.vocab_size, chat_template, tokenizer)
     # As in Qwen releases, generation stops at the config's eos and at the tokenizer's end-of-turn token.
@@ -248,29 +248,6 @@ def _interleave_qkvz_ba(cfg, q, k, v, z, b, a) -> tuple[np.ndarray, np.ndarray]:
     qkvz = np.concatenate([groups(q), groups(k), groups(v), groups(z)], axis=1).reshape(-1, H)
     ba = np.concatenate([groups(b), groups(a)], axis=1).reshape(-1, H)
     return qkvz, ba
-
-
-def _vision_tensors(vc: dict[str, Any], rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """A tiny vision tower under `model.visual.` with transformers' names (text-only inference skips it)."""
-    hv, inter, merged = vc["hidden_size"], vc["intermediate_size"], vc["hidden_size"] * vc["spatial_merge_size"] ** 2
-    shapes = {
-        "patch_embed.proj.weight": (hv, vc["in_channels"], vc["temporal_patch_size"], *[vc["patch_size"]] * 2),
-        "patch_embed.proj.bias": (hv,),
-        "pos_embed.weight": (vc["num_position_embeddings"], hv),
-        "merger.norm.weight": (hv,), "merger.norm.bias": (hv,),
-        "merger.linear_fc1.weight": (merged, merged), "merger.linear_fc1.bias": (merged,),
-        "merger.linear_fc2.weight": (vc["out_hidden_size"], merged), "merger.linear_fc2.bias": (vc["out_hidden_size"],),
-    }
-    for n in range(vc["depth"]):
-        b = f"blocks.{n}."
-        shapes.update({
-            b + "norm1.weight": (hv,), b + "norm1.bias": (hv,), b + "norm2.weight": (hv,), b + "norm2.bias": (hv,),
-            b + "attn.qkv.weight": (3 * hv, hv), b + "attn.qkv.bias": (3 * hv,),
-            b + "attn.proj.weight": (hv, hv), b + "attn.proj.bias": (hv,),
-            b + "mlp.linear_fc1.weight": (inter, hv), b + "mlp.linear_fc1.bias": (inter,),
-            b + "mlp.linear_fc2.weight": (hv, inter), b + "mlp.linear_fc2.bias": (hv,),
-        })
-    return {"model.visual." + k: (0.05 * rng.standard_normal(s)).astype(np.float32) for k, s in shapes.items()}
 
 
 # ---- files ---------------------------------------------------------------------------------------------------------

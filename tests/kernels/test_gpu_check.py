@@ -101,3 +101,27 @@ def test_bench_writes_its_json_and_log_next_to_the_report_and_the_rest_elsewhere
     assert sorted(p.name for p in report.parent.iterdir()) == ["gpu_check_bench.json", "gpu_check_bench.log"]
     assert "bench says hi" in (report.parent / "gpu_check_bench.log").read_text()
     assert len(result["oom_lines"]) == 3
+
+
+def test_fp8_rows_are_valid_calls_and_the_matmul_rows_run(monkeypatch):
+    """The FP8 rows (scripts/gpu_check_fp8.py): the fp8-page attention cases are valid calls at the real shapes
+    (traced), with e4m3 pages; the fp8 matmul rows run end to end at small sizes on CPU, both formulations within
+    the bound of the GEMM of the dequantised weights, with XLA's temporary bytes reported."""
+    import functools
+
+    import jax
+
+    import gpu_check_fp8
+
+    for model in gpu_check.MODELS:
+        cases = gpu_check_fp8.fp8_attention_cases(model, gpu_check.MODELS, (gpu_check.DECODE_ROWS, 4096),
+                                                  (8, 2048, gpu_check.C), gpu_check.BLOCK_SIZE, gpu_check.D)
+        for name, op, make_args, kwargs in cases:
+            args = jax.eval_shape(make_args)
+            assert args[1].dtype.name == "float8_e4m3fn", name
+            jax.eval_shape(functools.partial(op, implementation="reference", **kwargs), *args)
+    rows = gpu_check_fp8.fp8_matmul_rows(["qwen3.5-27b"], 1, float("inf"), rows=(4,),
+                                         dense={"qwen3.5-27b": (256, 384)})
+    assert [r["kernel"].split()[1] for r in rows] == ["dequantize", "scaled_dot"]
+    assert all(r["ok"] and r["temp_bytes"] >= 0 for r in rows), rows
+    assert rows[0]["outputs"][0]["max_abs_err"] == 0.0     # the dequantize path is the reference's arithmetic
