@@ -80,7 +80,7 @@ def main(argv=None) -> None:
         row = layout.state_bytes_per_row
         for t in args.lengths:
             # a session's snapshots: the prompt's checkpoints, its last boundary, two turn starts, the finished end
-            rows = len(checkpoint_positions(t, 8192)) + 4
+            rows = len(checkpoint_positions(t, 1024)) + 4          # the default 1k interval
             f = prefill_flops(cfg, t)
             total = sum(f.values())
             devs = DEVICES[name]
