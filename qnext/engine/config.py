@@ -43,6 +43,7 @@ class EngineConfig:
                                               # (~/.cache/qnext/jax), "none": off (engine/compilation_cache.py)
     speculative_config: dict | None = None    # vLLM's: {"method": "mtp", "num_speculative_tokens": k} drafts k
                                               # tokens a step with the checkpoint's MTP head (docs/speculative.md)
+    encoder_cache_bytes: int = 256 << 20      # vision tower outputs kept by image content hash (0: none kept)
     gpu_kernel_backend: str = "auto"          # Pallas GPU kernels: "auto" (Mosaic GPU on Hopper with JAX >= 0.10.2,
                                               # else Triton), "mosaic" or "triton" (pallas_kernels/backend_choice.py)
     kv_cache_dtype: str = "auto"              # vLLM's: "fp8" stores attention KV as e4m3 (cache/cache_dtypes.py)
