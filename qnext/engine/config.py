@@ -6,6 +6,7 @@ import os
 
 from cache.cache_dtypes import kv_storage_dtype, snapshot_storage_dtype
 from qnext.config import ModelConfig
+from qnext.model.rope import position_limit, position_limit_error
 
 
 SPECULATIVE_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")   # vLLM's names for the same head
@@ -26,7 +27,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9       # GPU: share of device memory for weights, activations and the cache
     kv_cache_memory_bytes: int | None = None  # the cache's byte budget (per device): KV + state rows; overrides ^
     snapshot_memory_fraction: float = 0.75    # share of the budget after the live rows that snapshots may take
-    max_num_snapshots: int | None = None      # cap on prefix snapshot rows; None: 4 x max_num_seqs
+    max_num_snapshots: int | None = None      # cap on prefix snapshot rows; None: the budget's bytes decide
+                                              # (4 x max_num_seqs with num_gpu_blocks_override)
     snapshot_memory_bytes: int | None = None  # cap on the snapshot rows' bytes
     prefill_chunk: int | None = None          # rows per prefill group of the delta-rule kernel; None: by backend
     max_prefill_groups_extra: int = 8         # prefill groups a step may have beyond tokens / chunk
@@ -162,11 +164,11 @@ class EngineConfig:
         return 32 if backend == "cpu" else 64
 
     def resolved_max_model_len(self, cfg: ModelConfig) -> int:
-        limit = cfg.max_position_embeddings
+        limit = position_limit(cfg)
         if self.max_model_len is None:
             return min(limit, 4096)
         if self.max_model_len > limit:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}")
+            raise position_limit_error(cfg, self.max_model_len, f"max_model_len {self.max_model_len}")
         return self.max_model_len
 
 
