@@ -10,7 +10,8 @@ class CacheConfig:
     num_snapshot_slots: int      # snapshot rows are num_live_slots+1 .. num_live_slots+num_snapshot_slots
     enable_prefix_caching: bool = True
     hybrid: bool = True          # False: plain transformer, reuse = KV match, no snapshots needed
-    checkpoint_interval: int = 8192  # long prompts also capture at every multiple of this (floored to blocks; 0: off)
+    checkpoint_interval: int = 1024  # prompts also capture at multiples of this, at most 8 a prompt (the spacing
+                                     # doubles on longer prompts: cache/checkpoints.py; floored to blocks; 0: off)
     num_host_blocks: int = 0     # host-tier KV block slots (cache/tiers.py; 0: evicted blocks are dropped)
     num_host_snapshot_slots: int = 0  # host-tier snapshot slots (0: evicted snapshots are dropped)
 

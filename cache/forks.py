@@ -82,7 +82,8 @@ class Forks:
             copies.dst_blocks.append(block)
             table.append(block)
         return SequenceRecord(prompt_len=n, hashes=list(parent.hashes[:full]), block_table=table, state_row=row,
-                              num_cached_tokens=0, chain=chain, ran=True, cacheable=parent.cacheable)
+                              num_cached_tokens=0, chain=chain, ran=True, cacheable=parent.cacheable,
+                              images=parent.images)
 
     def take_copies(self) -> ForkCopies:
         copies, self._copies = self._copies, ForkCopies()

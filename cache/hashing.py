@@ -3,6 +3,8 @@ from array import array
 from hashlib import blake2b
 from typing import Callable, Sequence
 
+from cache.image_keys import ImageSpan, block_image_keys
+
 HASH_BYTES = 16
 
 BlockHashFn = Callable[[bytes | None, Sequence[int]], bytes]  # (parent hash or None, tokens of one block) -> hash
@@ -15,17 +17,30 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> by
     return h.digest()
 
 
+def with_image_keys(token_hash: bytes, image_keys: bytes) -> bytes:
+    """A block's hash with its images mixed in (cache/image_keys.py): blake2b(token hash || image keys), at full
+    strength whatever the token hash function (a weak one in tests must not make two pictures collide)."""
+    if not image_keys:
+        return token_hash
+    return blake2b(token_hash + image_keys, digest_size=HASH_BYTES).digest()
+
+
 def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int, num_blocks: int,
-                        hash_fn: BlockHashFn = hash_block_tokens) -> list[bytes]:
-    """Append the chain hashes of full blocks len(hashes)..num_blocks-1 of `token_ids` to `hashes` (in place)."""
+                        hash_fn: BlockHashFn = hash_block_tokens,
+                        images: Sequence[ImageSpan] = ()) -> list[bytes]:
+    """Append the chain hashes of full blocks len(hashes)..num_blocks-1 of `token_ids` to `hashes` (in place).
+    images: the prompt's image spans; each block holding image tokens keys on them too."""
     if num_blocks * block_size > len(token_ids):
         raise ValueError(f"{num_blocks} blocks of {block_size} tokens need {num_blocks * block_size} tokens; "
                          f"got {len(token_ids)}")
     for i in range(len(hashes), num_blocks):
-        hashes.append(hash_fn(hashes[-1] if hashes else None, token_ids[i * block_size:(i + 1) * block_size]))
+        lo, hi = i * block_size, (i + 1) * block_size
+        token_hash = hash_fn(hashes[-1] if hashes else None, token_ids[lo:hi])
+        hashes.append(with_image_keys(token_hash, block_image_keys(images, lo, hi)) if images else token_hash)
     return hashes
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, hash_fn: BlockHashFn = hash_block_tokens) -> list[bytes]:
+def block_hashes(token_ids: Sequence[int], block_size: int, hash_fn: BlockHashFn = hash_block_tokens,
+                 images: Sequence[ImageSpan] = ()) -> list[bytes]:
     """Chain hashes of every full block of `token_ids` (a partial tail block has no hash)."""
-    return extend_block_hashes([], token_ids, block_size, len(token_ids) // block_size, hash_fn)
+    return extend_block_hashes([], token_ids, block_size, len(token_ids) // block_size, hash_fn, images)

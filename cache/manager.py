@@ -16,6 +16,7 @@ from cache.config import CacheConfig
 from cache.forks import ForkCopies, Forks
 from cache.hashing import BlockHashFn, block_hashes, hash_block_tokens
 from cache.host_blocks import HostBlock
+from cache.image_keys import ImageSpan, check_image_spans
 from cache.mamba_registry import MambaPrefixRegistry
 from cache.records import Admission, SequenceRecord
 from cache.policy import CachePolicy
@@ -97,10 +98,12 @@ class CacheManager:
 
     # ---- admission ------------------------------------------------------------------------------------------------
     def admit(self, seq_id, prompt_token_ids: Sequence[int], num_forks: int = 0,
-              turn_starts: Sequence[int] = ()) -> Admission | None:
+              turn_starts: Sequence[int] = (), images: Sequence[ImageSpan] = ()) -> Admission | None:
         """None when no slot or not enough blocks: the cache is then left exactly as it was (retry later).
         num_forks: live rows and blocks reserved for that many `fork`s after the prompt (cache/forks.py).
-        turn_starts: where the prompt's chat turns begin (positions of `<|im_start|>`), for the capture policy."""
+        turn_starts: where the prompt's chat turns begin (positions of `<|im_start|>`), for the capture policy.
+        images: the prompt's image spans: their blocks key on the images (cache/image_keys.py), and a snapshot is
+        planned at the boundary at or before each `<|vision_start|>` (the token before a span)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already admitted; free it first")
         n = len(prompt_token_ids)
@@ -111,7 +114,8 @@ class CacheManager:
             self.stats.admission_failures += 1
             return None
         bs = self.config.block_size
-        hashes = block_hashes(prompt_token_ids, bs, self.block_hash_fn)
+        images = check_image_spans(images, n)
+        hashes = block_hashes(prompt_token_ids, bs, self.block_hash_fn, images)
         matched: list[int] = []
         on_host: list[HostBlock] = []
         if self.config.enable_prefix_caching:  # the last prompt token is never served from cache
@@ -140,12 +144,13 @@ class CacheManager:
                              state_row=state_row, num_cached_tokens=depth * bs, chain=chain, pinned_row=restore_row,
                              kv_matched_tokens=kv_matched * bs, host_tokens=len(loaded) * bs,
                              restored_hash=restored_hash, snapshot_from_host=from_host,
-                             restored_in_live_row=from_host and restore_row is None)
+                             restored_in_live_row=from_host and restore_row is None, images=images)
         if restore_row is not None:
             self.lifecycle.on_restore(restored_hash)
         if kv_matched > depth:
             seq.branch_position = kv_matched * bs
-        seq.capture_plan = self.lifecycle.capture_plan(hashes, n, kv_matched, depth, turn_starts)
+        vision_starts = [max(0, span.start - 1) // bs * bs for span in images]
+        seq.capture_plan = self.lifecycle.capture_plan(hashes, n, kv_matched, depth, turn_starts, vision_starts)
         self._seqs[seq_id] = seq
         self.forks.reserve(seq, [self._free_slots.pop() for _ in range(fork_rows)])
         self.stats.count_admission(seq, +1)

@@ -7,6 +7,7 @@ through the same block pool, registry and snapshot pool.
 """
 from collections.abc import Sequence
 
+from cache.checkpoints import checkpoint_positions
 from cache.config import CacheConfig
 
 
@@ -31,16 +32,16 @@ class CachePolicy:
         """Where a new prompt captures snapshots (block multiples; the manager drops those at or below the restored
         depth and those already cached). qnext: the last block boundary the same prompt can reuse (<= prompt_len - 1),
         the prompt end if it is a boundary (a longer prompt extending this one), the branch point where the KV match
-        outran the state match (siblings hit next time), a checkpoint every `checkpoint_interval` tokens
-        (requests that arrive before a branch point exists lose less), and the boundary at or before each of the
+        outran the state match (siblings hit next time), checkpoints every `checkpoint_interval` tokens, at most
+        MAX_CHECKPOINTS_PER_PROMPT of them (cache/checkpoints.py: the spacing doubles on longer prompts; requests
+        that arrive before a branch point exists lose less), and the boundary at or before each of the
         last two turn starts (`<|im_start|>` of a chat prompt): the next turn re-renders the reply's header (the
         Qwen3.5 template drops the empty think block of earlier replies), and agents' side requests (Qwen Code's
         next-speaker check) resend the conversation with another final message."""
         bs = config.block_size
         interval = config.checkpoint_interval // bs * bs
         positions = {(prompt_len - 1) // bs * bs, *(s // bs * bs for s in turn_starts[-2:])}
-        if interval:
-            positions.update(range(interval, prompt_len, interval))
+        positions.update(checkpoint_positions(prompt_len, interval))
         if prompt_len % bs == 0:
             positions.add(prompt_len)
         if kv_matched_blocks > restored_blocks:

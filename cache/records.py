@@ -1,6 +1,8 @@
 """The cache manager's records: what an admission returns, and what it keeps per admitted sequence."""
 from dataclasses import dataclass, field
 
+from cache.image_keys import ImageSpan
+
 
 @dataclass(frozen=True)
 class Admission:
@@ -36,3 +38,4 @@ class SequenceRecord:
     prompt_snapshots: list[bytes] = field(default_factory=list)  # prompt-end and checkpoint snapshots it registered
     fork_rows: list[int] = field(default_factory=list)     # live rows reserved for forks not yet made (cache/forks.py)
     fork_blocks: list[int] = field(default_factory=list)   # blocks reserved for their copies of the partial last block
+    images: tuple[ImageSpan, ...] = ()       # the prompt's image spans: blocks holding them key on them too

@@ -3,7 +3,11 @@
 Split rule (`plan_cache`):
 1. The zero state row and `max_num_seqs` live state rows come first: every running sequence needs one.
 2. Of the rest, snapshot rows may take `snapshot_memory_fraction`, further capped by `snapshot_memory_bytes` and
-   `max_num_snapshots`, and never so much that the KV blocks could not hold one sequence of max_model_len.
+   `max_num_snapshots`, and never so much that the KV blocks could not hold one sequence of max_model_len. The
+   pool is sized in bytes: with no `max_num_snapshots` the row count follows from the bytes, bounded only by the
+   rows the KV can anchor, one per `SNAPSHOT_SPACING_TOKENS` of KV (a snapshot is usable only while its terminal KV
+   block is resident, so rows beyond that never serve; the bound binds only where a row costs less than about
+   that many tokens of KV, as on tiny models; a real model's row costs thousands of tokens of KV).
 3. Everything left is KV blocks.
 The dummy KV block 0 and the zero state row 0 are counted: kv_bytes + state_bytes is what the buffers allocate.
 """
@@ -14,6 +18,10 @@ from dataclasses import dataclass
 # (scripts/bench_prefix_cache.py, "snapshot share" table) supports this default.
 DEFAULT_SNAPSHOT_MEMORY_FRACTION = 0.75
 GIB = 1 << 30
+# Fewest KV tokens per snapshot row when the bytes alone size the pool: the placement policy keeps a few reuse
+# points per turn (turn starts, the prompt's last boundary, the branch point, the finished sequence's end), and a
+# turn of an agent session is a few hundred tokens.
+SNAPSHOT_SPACING_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,9 @@ def plan_cache(budget_bytes: int, *, kv_bytes_per_block: int, state_bytes_per_ro
         num_snapshot_rows = snapshot_bytes // state_bytes_per_row
         if max_num_snapshots is not None:
             num_snapshot_rows = min(num_snapshot_rows, max_num_snapshots)
+        else:                              # one row per SNAPSHOT_SPACING_TOKENS of the KV that the rest holds
+            unit = state_bytes_per_row + kv_bytes_per_block * SNAPSHOT_SPACING_TOKENS / block_size
+            num_snapshot_rows = min(num_snapshot_rows, int(shared // unit))
     state_bytes = live_bytes + num_snapshot_rows * state_bytes_per_row
     num_blocks = (budget_bytes - state_bytes) // kv_bytes_per_block - 1
     return CacheSizes(num_blocks=num_blocks, block_size=block_size, num_live_rows=max_num_seqs,

@@ -67,13 +67,14 @@ class SnapshotLifecycle:
         return row, from_host
 
     def capture_plan(self, hashes: list[bytes], prompt_len: int, kv_matched_blocks: int, depth: int,
-                     turn_starts: Sequence[int] = ()) -> list[int]:
-        """Where a new prompt captures snapshots: the policy's positions past the restored depth not cached yet."""
+                     turn_starts: Sequence[int] = (), boundaries: Sequence[int] = ()) -> list[int]:
+        """Where a new prompt captures snapshots: the policy's positions and the given block `boundaries` (those
+        before each image), past the restored depth and not cached yet."""
         if not self.enabled:
             return []
         bs = self.config.block_size
-        return [p for p in self.policy.capture_positions(self.config, prompt_len, kv_matched_blocks, depth,
-                                                         turn_starts)
+        positions = set(self.policy.capture_positions(self.config, prompt_len, kv_matched_blocks, depth, turn_starts))
+        return [p for p in sorted(positions.union(boundaries))
                 if depth * bs < p <= prompt_len and not self._has_snapshot(hashes[p // bs - 1])]
 
     def committed(self, seq: SequenceRecord, limit: int) -> None:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from qnext.engine.llm_engine import LLMEngine, Prompt
+from qnext.engine.visual_intake import visual_prompt
 from qnext.outputs import RequestOutput
 from qnext.sampling_params import SamplingParams
 
@@ -133,7 +134,12 @@ class LLM:
 
     # ---------------------------------------------------------------------------------------------------------
     def _encode(self, prompt: Prompt, params: SamplingParams) -> dict:
-        """Tokenizes once and validates; the engine then takes the token ids as they are."""
+        """Tokenizes once and validates; the engine then takes the token ids as they are (and the pictures
+        preprocessed)."""
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            text, token_ids, visuals = visual_prompt(prompt, self.engine.tokenizer, self.engine.vision)
+            self.engine.validate(token_ids, params)
+            return {"prompt": text, "prompt_token_ids": token_ids, "multi_modal_data": visuals.as_data()}
         text, token_ids = self.engine.tokenize(prompt)
         self.engine.validate(token_ids, params)
         return {"prompt": text, "prompt_token_ids": token_ids}

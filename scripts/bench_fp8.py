@@ -9,7 +9,9 @@ budget with `kv_cache_dtype` auto vs fp8, at max_model_len 4k and 32k, for the s
 (per device of TP8). logprob: a full-width engine generates N greedy tokens; the prompt + output is scored through
 the engine's step with full-width and with fp8 KV pages (every position reads its whole prefix from the pages);
 the generated tokens' logprobs are compared (max and mean absolute difference, argmax agreement). weights: the small
-preset in bf16 and its FP8 export (qnext/testing/fp8_export.py), each loaded as bfloat16 (CPU dequantises at load).
+preset in bf16 and its FP8 export (qnext/testing/fp8_export.py), each loaded as bfloat16, the export both
+dequantised at load (the CPU's default) and kept in e4m3 (fp8_weights="keep", the GPU's default; on CPU it widens
+every weight on every step, so it is slower there: it is measured for its device bytes).
 """
 from __future__ import annotations
 
@@ -104,13 +106,14 @@ def weights_rows(root: Path, decode_tokens: int = 32, batch: int = 4) -> list[di
     if not (fp8 / "config.json").exists():
         export_fp8(bf16, fp8)
     rows = []
-    for name, path in (("bf16", bf16), ("fp8", fp8)):
+    for name, path, mode in (("bf16", bf16, "dequantize"), ("fp8, dequantize", fp8, "dequantize"),
+                             ("fp8, keep", fp8, "keep")):
         start = time.perf_counter()
-        params = jax.block_until_ready(load_checkpoint(path, "bfloat16").params)
+        params = jax.block_until_ready(load_checkpoint(path, "bfloat16", fp8_weights=mode).params)
         load_s = time.perf_counter() - start
         device_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
         del params
-        llm = qnext.LLM(path, dtype="bfloat16", max_num_seqs=batch, max_model_len=256)
+        llm = qnext.LLM(path, dtype="bfloat16", max_num_seqs=batch, max_model_len=256, fp8_weights=mode)
         rng = np.random.default_rng(0)
         prompts = [{"prompt_token_ids": rng.integers(3, 8000, 32).tolist()} for _ in range(batch)]
         greedy = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)

@@ -374,6 +374,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", help="write the summaries here")
     p.add_argument("--workload", choices=("chat", "agent"), default="chat")
+    p.add_argument("--only-cache-on", action="store_true",
+                   help="run the prefix-cache-on server only (the cache's numbers without the cold baseline)")
     p.add_argument("--sessions", type=int, default=6, help="agent: sessions")
     p.add_argument("--agent-turns", type=int, default=6, help="agent: user turns per session")
     p.add_argument("--calls-per-turn", type=int, default=2, help="agent: forced tool calls per user turn")
@@ -408,8 +410,8 @@ def main(argv=None) -> int:
     if args.base_url:
         summaries.append(asyncio.run(bench_one(args.base_url, "server", args)))
     else:
-        for label, flag in (("prefix-cache on", "--enable-prefix-caching"),
-                            ("prefix-cache off", "--no-enable-prefix-caching")):
+        runs = (("prefix-cache on", "--enable-prefix-caching"), ("prefix-cache off", "--no-enable-prefix-caching"))
+        for label, flag in runs[:1] if args.only_cache_on else runs:
             server_args = ([model] if model else []) + shlex.split(args.server_args) + [
                 flag, "--block-size", str(args.block_size), "--log-level", "warning"]
             log = Path(tempfile.gettempdir()) / f"qnext-bench-serving-{flag.strip('-')}.log"

@@ -52,7 +52,7 @@ def _fp8_bytes(cfg: ModelConfig, path, spec) -> int:
     if path[-1] not in _FP8_LEAVES:
         return 2 * n
     bf16_rows = 0
-    if path[-1] == "in_proj":                   # the decay-gate rows b | a stay bf16
+    if path[-1] == "in_proj":                   # the decay-gate rows b | a stay bf16 (a kept weight's tail)
         bf16_rows = 2 * cfg.linear_num_value_heads
     rows, cols = spec.shape[-2:]
     lead = n // (rows * cols)
@@ -63,7 +63,7 @@ def _fp8_bytes(cfg: ModelConfig, path, spec) -> int:
 
 def weight_bytes_per_device(cfg: ModelConfig, tp: int, dtype, weights: str = "bf16") -> dict[str, int]:
     """Bytes one device holds, by part: split params count 1/tp, replicated ones whole. weights "fp8": as the FP8
-    release stores them (kept in e4m3 on the device, the GPU path of qnext/model/fp8_linear.py)."""
+    release stores them, as fp8_weights="keep" holds them on the device (qnext/model/fp8_keep.py)."""
     sharded = sharded_model_config(cfg, tp)
     parts: dict[str, int] = {}
 

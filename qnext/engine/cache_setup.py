@@ -10,6 +10,8 @@ The budget, in vLLM's terms:
 - else (CPU) what `max_num_seqs` sequences of `max_model_len` and 4 snapshot rows per sequence take, as before;
 - `num_gpu_blocks_override` fixes the KV blocks instead, with `max_num_snapshots` (default 4 per sequence)
   snapshot rows capped by `snapshot_memory_bytes`.
+With a budget, the snapshot pool is sized by bytes (cache/sizing.py): `max_num_snapshots` None leaves the row count
+to the budget's snapshot share; a number caps it.
 The host tier (docs/cache.md): `kv_offloading_size` GiB of host RAM split like the device cache's KV blocks and
 snapshot rows; with `prefix_cache_dir` and no such budget, as many blocks and rows as the device cache (a restart
 loads the persisted cache there).
@@ -77,6 +79,7 @@ def cache_sizes(cfg: ModelConfig, c: EngineConfig, max_model_len: int, activatio
         requested = SNAPSHOTS_PER_SEQ * c.max_num_seqs if c.enable_prefix_caching else 0
     if not hybrid:
         requested = 0
+    row_cap = c.max_num_snapshots if hybrid and c.enable_prefix_caching else requested   # None: the bytes decide
 
     if c.num_gpu_blocks_override is not None:
         if c.num_gpu_blocks_override < blocks_per_seq:
@@ -108,7 +111,7 @@ def cache_sizes(cfg: ModelConfig, c: EngineConfig, max_model_len: int, activatio
     fraction = c.snapshot_memory_fraction if c.enable_prefix_caching or c.max_num_snapshots else 0.0
     return plan_cache(budget, kv_bytes_per_block=kv_per_block, state_bytes_per_row=row_bytes,
                       block_size=c.block_size, max_num_seqs=c.max_num_seqs, max_model_len=max_model_len,
-                      snapshot_memory_fraction=fraction, max_num_snapshots=requested,
+                      snapshot_memory_fraction=fraction, max_num_snapshots=row_cap,
                       snapshot_memory_bytes=c.snapshot_memory_bytes)
 
 

@@ -6,6 +6,7 @@ import os
 
 from cache.cache_dtypes import kv_storage_dtype, snapshot_storage_dtype
 from qnext.config import ModelConfig
+from qnext.model.rope import position_limit, position_limit_error
 
 
 SPECULATIVE_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")   # vLLM's names for the same head
@@ -26,7 +27,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9       # GPU: share of device memory for weights, activations and the cache
     kv_cache_memory_bytes: int | None = None  # the cache's byte budget (per device): KV + state rows; overrides ^
     snapshot_memory_fraction: float = 0.75    # share of the budget after the live rows that snapshots may take
-    max_num_snapshots: int | None = None      # cap on prefix snapshot rows; None: 4 x max_num_seqs
+    max_num_snapshots: int | None = None      # cap on prefix snapshot rows; None: the budget's bytes decide
+                                              # (4 x max_num_seqs with num_gpu_blocks_override)
     snapshot_memory_bytes: int | None = None  # cap on the snapshot rows' bytes
     prefill_chunk: int | None = None          # rows per prefill group of the delta-rule kernel; None: by backend
     max_prefill_groups_extra: int = 8         # prefill groups a step may have beyond tokens / chunk
@@ -41,11 +43,14 @@ class EngineConfig:
                                               # (~/.cache/qnext/jax), "none": off (engine/compilation_cache.py)
     speculative_config: dict | None = None    # vLLM's: {"method": "mtp", "num_speculative_tokens": k} drafts k
                                               # tokens a step with the checkpoint's MTP head (docs/speculative.md)
+    encoder_cache_bytes: int = 256 << 20      # vision tower outputs kept by image content hash (0: none kept)
     gpu_kernel_backend: str = "auto"          # Pallas GPU kernels: "auto" (Mosaic GPU on Hopper with JAX >= 0.10.2,
                                               # else Triton), "mosaic" or "triton" (pallas_kernels/backend_choice.py)
     kv_cache_dtype: str = "auto"              # vLLM's: "fp8" stores attention KV as e4m3 (cache/cache_dtypes.py)
     kv_cache_scale: float = 1.0               # fp8 KV: stored = value / scale (vLLM's default 1.0 for hybrids)
     mamba_ssm_cache_dtype: str = "auto"       # vLLM's: stored snapshots' recurrent state ("bfloat16"; auto: float32)
+    fp8_weights: str = "auto"                 # an FP8 checkpoint's weights: "keep" (e4m3 + block scales on the
+                                              # device), "dequantize" (widened at load); auto: keep on GPU (docs/fp8.md)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk", "num_scheduler_steps",
@@ -63,6 +68,8 @@ class EngineConfig:
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         kv_storage_dtype(self.kv_cache_dtype, self.dtype), snapshot_storage_dtype(self.mamba_ssm_cache_dtype)
+        if self.fp8_weights not in ("auto", "keep", "dequantize"):
+            raise ValueError(f"fp8_weights must be 'auto', 'keep' or 'dequantize', got {self.fp8_weights!r}")
         if not isinstance(self.kv_cache_scale, (int, float)) or not self.kv_cache_scale > 0:
             raise ValueError(f"kv_cache_scale must be a positive number, got {self.kv_cache_scale!r}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
@@ -157,9 +164,17 @@ class EngineConfig:
         return 32 if backend == "cpu" else 64
 
     def resolved_max_model_len(self, cfg: ModelConfig) -> int:
-        limit = cfg.max_position_embeddings
+        limit = position_limit(cfg)
         if self.max_model_len is None:
             return min(limit, 4096)
         if self.max_model_len > limit:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}")
+            raise position_limit_error(cfg, self.max_model_len, f"max_model_len {self.max_model_len}")
         return self.max_model_len
+
+
+def resolved_fp8_weights(choice: str, backend: str) -> str:
+    """EngineConfig.fp8_weights with "auto" decided: "keep" on a GPU, "dequantize" elsewhere (the CPU widens the
+    weights once at load rather than on every step)."""
+    if choice != "auto":
+        return choice
+    return "keep" if backend == "gpu" else "dequantize"

@@ -15,6 +15,8 @@ import numpy as np
 from qnext.config import ModelConfig
 from qnext.engine.config import EngineConfig
 from qnext.engine.sequence import Sequence
+from qnext.engine.visual_encoder import VisionSetup
+from qnext.engine.visual_intake import visual_prompt
 from qnext.sampling_params import SamplingParams
 from qnext.structured import GrammarCompiler, StructuredState
 from qnext.structured import validate as validate_structured
@@ -25,8 +27,11 @@ Prompt = str | dict | list
 
 
 class RequestIntake:
-    def __init__(self, config: EngineConfig, cfg: ModelConfig, tokenizer: Tokenizer | None, max_model_len: int):
+    def __init__(self, config: EngineConfig, cfg: ModelConfig, tokenizer: Tokenizer | None, max_model_len: int,
+                 vision: VisionSetup | None = None):
+        """vision: the checkpoint's tower, for prompts with multi_modal_data (engine/visual_intake.py)."""
         self.config, self.model_config, self.tokenizer = config, cfg, tokenizer
+        self.vision = vision
         self.max_model_len = max_model_len
         self._turn_start_id = None if tokenizer is None else tokenizer.token_to_id("<|im_start|>")
         self._arrivals = 0           # the arrival index of the next sample (its seed stream when unseeded)
@@ -61,10 +66,16 @@ class RequestIntake:
     def samples(self, request_id: str, prompt: Prompt, params: SamplingParams) -> list[Sequence]:
         """The request's n samples, validated; with n > 1 the first carries the others as pending forks (one
         admission and prefill; the rest are forked after it, docs/engine.md)."""
-        text, token_ids = self.tokenize(prompt)
+        visuals = None
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            text, token_ids, visuals = visual_prompt(prompt, self.tokenizer, self.vision)
+        else:
+            text, token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)
         token_ids = [int(t) for t in token_ids]
         samples = [self._sample(request_id, token_ids, text, params, i) for i in range(params.n)]
+        for sample in samples:
+            sample.visuals = visuals
         if params.n > 1:
             for sample in samples:
                 sample.group = samples

@@ -18,12 +18,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
+
 from cache.device_buffers import warm_up_fork_copies
 from cache.fingerprint import files_digest_memoized
 from qnext.config import ModelConfig
 from qnext.engine.cache_setup import cache_sizes, make_cache, params_weights_digest, prefix_cache_fingerprint
 from qnext.engine.compilation_cache import enable_compilation_cache
-from qnext.engine.config import EngineConfig
+from qnext.engine.config import EngineConfig, resolved_fp8_weights
 from qnext.engine.drafter import Drafter
 from qnext.engine.engine_cache import EngineCache
 from qnext.engine.intake import Prompt, RequestIntake
@@ -32,6 +34,8 @@ from qnext.engine.runner import ModelRunner
 from qnext.engine.scheduler import Scheduler
 from qnext.engine.sequence import Sequence
 from qnext.engine.stats import EngineStats
+from qnext.engine.visual_encoder import VisionSetup, VisualEncoder
+from qnext.engine.visual_intake import vision_setup
 from qnext.model.buckets import BucketTable
 from qnext.model.checkpoint import load_checkpoint
 from qnext.model.loader import checkpoint_files
@@ -61,7 +65,8 @@ class LLMEngine:
         checkpoint = load_checkpoint(model, config.dtype, tensor_parallel_size=config.tensor_parallel_size,
                                      expert_parallel=config.enable_expert_parallel,
                                      attention_tensor_parallel=config.attention_tensor_parallel,
-                                     with_mtp=bool(config.num_speculative_tokens))
+                                     with_mtp=bool(config.num_speculative_tokens), with_vision=True,
+                                     fp8_weights=resolved_fp8_weights(config.fp8_weights, jax.default_backend()))
         if config.num_speculative_tokens and checkpoint.mtp is None:
             raise ValueError(f"speculative_config {config.speculative_config} drafts with the checkpoint's MTP "
                              f"head, but {model} has none (no mtp.* tensors, no {MTP_FILE}); train one with "
@@ -69,7 +74,8 @@ class LLMEngine:
         if config.prefix_cache_dir is not None and config.enable_prefix_caching:
             self._weights_digest = files_digest_memoized(checkpoint_files(model),
                                                          Path(config.prefix_cache_dir) / WEIGHTS_DIGEST_MEMO)
-        self._start(config, checkpoint.config, checkpoint.params, tokenizer, checkpoint.mtp, drafter)
+        self._start(config, checkpoint.config, checkpoint.params, tokenizer, checkpoint.mtp, drafter,
+                    vision_setup(model, checkpoint.vision))
 
     @classmethod
     def from_params(cls, cfg: ModelConfig, params, tokenizer: Tokenizer | None = None, **options) -> "LLMEngine":
@@ -104,7 +110,7 @@ class LLMEngine:
         self._weights_digest = None          # a persisted cache is bound to the new weights (digest at close)
 
     def _start(self, config: EngineConfig, cfg: ModelConfig, params, tokenizer: Tokenizer | None, mtp=None,
-               drafter=Drafter) -> None:
+               drafter=Drafter, vision: VisionSetup | None = None) -> None:
         """mtp: the MTP head's params when the engine speculates; drafter(cfg, mtp, config) makes the runner's
         Drafter (engine option `drafter`: a subclass drafts otherwise, e.g. qnext/bench/oracle_drafts.py)."""
         cfg = cfg.with_backend()             # kernels and layouts chosen once, for every layer and step
@@ -114,15 +120,18 @@ class LLMEngine:
             cfg = dataclasses.replace(cfg, gpu_kernels=resolve_gpu_kernel_backend(config.gpu_kernel_backend))
         self.config, self.model_config, self.tokenizer = config, cfg, tokenizer
         self.max_model_len = config.resolved_max_model_len(cfg)
-        self.intake = RequestIntake(config, cfg, tokenizer, self.max_model_len)   # starts the grammar compiler
+        self.intake = RequestIntake(config, cfg, tokenizer, self.max_model_len,   # starts the grammar compiler
+                                    vision)
         mesh = make_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
         buckets = BucketTable(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                               max_blocks=-(-self.max_model_len // config.block_size),
                               prefill_chunk=config.resolved_prefill_chunk(cfg.backend),
                               max_prefill_groups_extra=config.max_prefill_groups_extra)
         self.stats = EngineStats()
+        self.vision = vision                 # the checkpoint's tower (None: text only; docs/vision.md)
+        self.visual_encoder = VisualEncoder(vision, config.encoder_cache_bytes, self.stats) if vision else None
         self.runner = ModelRunner(cfg, params, config, buckets, self.stats,
-                                  None if mtp is None else drafter(cfg, mtp, config))
+                                  None if mtp is None else drafter(cfg, mtp, config), self.visual_encoder)
         self._weight_update = WeightUpdate(cfg, config.dtype, config.tensor_parallel_size)
         self.cache_sizes = cache_sizes(cfg, config, self.max_model_len, self.runner.activation_bytes)
         persisted = config.prefix_cache_dir is not None and config.enable_prefix_caching

@@ -92,14 +92,16 @@ def _num_sampler_rows(plan: StepPlan, num_drawing: int) -> int:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, config: EngineConfig, buckets: BucketTable, stats: EngineStats,
-                 drafter: Drafter | None = None):
-        """drafter: the MTP head's (drafter.py) when the engine speculates."""
+                 drafter: Drafter | None = None, visual_encoder=None):
+        """drafter: the MTP head's (drafter.py) when the engine speculates. visual_encoder: the vision tower's
+        (visual_encoder.py) when the checkpoint has one; steps with pictures get its outputs and MRoPE positions."""
         self.cfg = cfg
         self.params = params
         self.config = config
         self.buckets = buckets
         self.stats = stats
         self.drafter = drafter
+        self.visual_encoder = visual_encoder
         self._step = make_engine_step(cfg, config.tensor_parallel_size, with_hidden=drafter is not None)
         # several tokens a row in one call: the drafter's speculative step, or num_scheduler_steps decode steps
         self._window = drafter if drafter is not None else \
@@ -116,6 +118,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         inputs = build_step_inputs([it.segment for it in plan.items], plan.bucket.sizes,
                                    block_size=self.config.block_size, chunk=plan.bucket.chunk)
+        if self.visual_encoder is not None:
+            inputs = self.visual_encoder.attach(plan.items, inputs)
         t1 = time.perf_counter()
         hidden = None
         if self.drafter is not None:

@@ -108,7 +108,8 @@ class Scheduler:
             forks = len(seq.pending_forks)      # n > 1: rows and blocks for the other samples come with it
             if len(self.running) + 1 + forks > self.config.max_num_seqs:
                 break
-            admission = self.cache.admit(seq.request_id, seq.token_ids, num_forks=forks, turn_starts=seq.turn_starts)
+            admission = self.cache.admit(seq.request_id, seq.token_ids, num_forks=forks, turn_starts=seq.turn_starts,
+                                         images=seq.visuals.spans if seq.visuals is not None else ())
             if admission is None:
                 break
             w = self._work(seq, admission.num_cached_tokens, budget)

@@ -8,12 +8,16 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from qnext.outputs import SampleLogprobs
 from qnext.sampling_params import SamplingParams
 from qnext.structured.matcher import StructuredState
 from qnext.structured.thinking_budget import ThinkingBudget
 from qnext.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from qnext.engine.visual_request import SequenceVisuals
 
 
 class SequenceStatus(enum.Enum):
@@ -46,6 +50,7 @@ class Sequence:
     structured: StructuredState | None = None   # the grammar's matcher when params.structured_outputs is set
     thinking: ThinkingBudget | None = None      # when params.thinking_token_budget is set
     turn_starts: tuple[int, ...] = ()           # positions of the prompt's last chat-turn starts (`<|im_start|>`)
+    visuals: "SequenceVisuals | None" = None   # its images / videos (engine/visual_request.py); None: text only
     # Parallel sampling (n > 1): every sample of a request is a Sequence; `group` (shared by all of them) lists
     # them by index, sample 0 first. Sample 0 is admitted and prefills the prompt; the others wait in its
     # `pending_forks` until that step, which draws their first tokens from the same logits and forks them.

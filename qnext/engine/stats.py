@@ -47,6 +47,10 @@ class EngineStats:
     num_spec_rows: int = 0           # MTP: rows of speculative steps (each verifies its drafts)
     num_draft_tokens: int = 0        # drafts verified
     num_accepted_draft_tokens: int = 0   # drafts kept
+    num_tower_runs: int = 0          # vision: pictures encoded by the tower (each a miss of the encoder cache)
+    tower_seconds: float = 0.0       # their wall time, to the device result
+    num_encoder_cache_hits: int = 0  # pictures whose tower output came from the encoder cache
+    num_visual_tokens: int = 0       # pad tokens given the tower's output in steps
     compilations_at_start: int = dataclasses.field(default_factory=compilations)
 
     def add_phases(self, *, layout: float = 0.0, device: float = 0.0, sample: float = 0.0,

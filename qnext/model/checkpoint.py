@@ -40,20 +40,23 @@ def read_config(path: str | Path) -> ModelConfig:
 
 def load_checkpoint(path: str | Path, dtype: Any = "float32", *, tensor_parallel_size: int = 1,
                     expert_parallel: bool = False, attention_tensor_parallel: bool = True, with_mtp: bool = False,
-                    cache_dir: str | Path | None = None, with_vision: bool = False) -> Checkpoint:
+                    cache_dir: str | Path | None = None, with_vision: bool = False,
+                    fp8_weights: str = "dequantize") -> Checkpoint:
     """Reads the checkpoint in `path` with weights in `dtype` (float32 or bfloat16; A_log and dt_bias stay
     float32), placed for `tensor_parallel_size` devices; the parallel layout is checked against the model before
     any tensor is read. with_mtp: the MTP head too (None when the checkpoint has none). cache_dir: the
     converted-params cache (loader.load_params; one device only). with_vision: the vision tower too (None when
-    the checkpoint has none)."""
+    the checkpoint has none). fp8_weights: "keep" holds an FP8 checkpoint's weights as e4m3 with block scales
+    (loader.convert_checkpoint), "dequantize" widens them at load."""
     path, dt = Path(path), as_dtype(dtype)
     cfg = parallel_config(read_config(path), tensor_parallel_size, expert_parallel, attention_tensor_parallel)
     if tensor_parallel_size > 1:
         if cache_dir is not None:
             raise ValueError("cache_dir stores one device's converted params; drop it with tensor_parallel_size > 1")
-        params = place_params(convert_checkpoint(path, cfg, dt), cfg, dt, tensor_parallel_size)
+        params = place_params(convert_checkpoint(path, cfg, dt, fp8_weights=fp8_weights), cfg, dt,
+                              tensor_parallel_size)
     else:
-        params = load_params(path, cfg, dt, cache_dir=cache_dir)
+        params = load_params(path, cfg, dt, cache_dir=cache_dir, fp8_weights=fp8_weights)
     vision = None
     if with_vision:
         import jax

@@ -35,6 +35,12 @@ def _to_chunks(x, num_chunks, chunk):
 def dense_gated_delta_rule(q, k, v, g, beta, chunk: int = CHUNK):
     """q, k: [B, T, Hk, dk] (L2-normalised, q scaled by dk^-1/2); v: [B, T, Hv, dv]; g, beta: [B, T, Hv].
     Zero initial state; v head h reads q/k head h // (Hv / Hk). Returns o [B, T, Hv, dv] float32."""
+    return dense_gated_delta_rule_with_state(q, k, v, g, beta, None, chunk)[0]
+
+
+def dense_gated_delta_rule_with_state(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """dense_gated_delta_rule from `state` [B, Hv, dk, dv] (None: zeros). Returns (o [B, T, Hv, dv], the end state
+    [B, Hv, dk, dv]), float32."""
     b, t, hk, _ = q.shape
     hv = v.shape[2]
     c = min(chunk, t)
@@ -62,7 +68,7 @@ def dense_gated_delta_rule(q, k, v, g, beta, chunk: int = CHUNK):
         s = jnp.exp(gl_c)[..., None, None] * s + jnp.einsum("...ck,...cv->...kv", kd_c, v_new, precision=_HIGHEST)
         return s, o
 
-    s0 = jnp.zeros((b, hv, k.shape[-1], v.shape[-1]), jnp.float32)
-    _, o = jax.lax.scan(step, s0, (u, w, eg * q, qk, k_decayed, g_last))            # [NC, B, Hv, C, dv]
+    s0 = jnp.zeros((b, hv, k.shape[-1], v.shape[-1]), jnp.float32) if state is None else state.astype(jnp.float32)
+    s_end, o = jax.lax.scan(step, s0, (u, w, eg * q, qk, k_decayed, g_last))        # [NC, B, Hv, C, dv]
     o = jnp.moveaxis(o, 0, 1).swapaxes(2, 3).reshape(b, num_chunks * c, hv, -1)
-    return o[:, :t]
+    return o[:, :t], s_end

@@ -19,18 +19,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from qnext.model.fp8_blocks import E4M3_MAX
+from qnext.model.fp8_weight import dequantize_on_device
 from qnext.model.linear import linear
 
 FORMULATIONS = ("dequantize", "scaled_dot")
-
-
-def dequantize_on_device(q, scale_inv, block_size: tuple[int, int], dtype):
-    """q [..., out, in] e4m3, scale_inv [..., ceil(out/b0), ceil(in/b1)] float32 -> W [..., out, in] in `dtype`
-    (the product is taken in float32, then rounded once to `dtype`)."""
-    rows, cols = q.shape[-2:]
-    b0, b1 = block_size
-    s = jnp.repeat(jnp.repeat(scale_inv.astype(jnp.float32), b0, axis=-2), b1, axis=-1)[..., :rows, :cols]
-    return (q.astype(jnp.float32) * s).astype(dtype)
 
 
 def fp8_linear(x, q, scale_inv, block_size: tuple[int, int], formulation: str = "dequantize"):

@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qnext.model.fp8_weight import Fp8Weight
+
 SPLIT_MAX_ROWS = 32      # CPU: up to this many rows, the output halves run as one batched dot (below)
 
 
@@ -19,7 +21,12 @@ def linear(x, w, preferred_element_type=None):
     24.6 -> 19.5 ms; no gain at 64 rows, slower from 128). One row (a batch-1 decode step) becomes two
     matrix-vector products run at once, at the memory's rate (~31-33 GB/s here, 10.4 -> 9.9 ms for the small
     model's weights). Each output element is still one dot product over `in`. Accumulation follows jnp.dot
-    (preferred_element_type to widen)."""
+    (preferred_element_type to widen).
+
+    w may be an Fp8Weight (fp8_weights="keep"): Q is widened to x's dtype times its block scales inside the jitted
+    step and multiplied as above (fp8_linear.py's "dequantize" form: the same result as the dequantised weight's)."""
+    if isinstance(w, Fp8Weight):
+        w = w.dequantized(x.dtype)
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     out, inner = w.shape

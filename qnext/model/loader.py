@@ -1,7 +1,8 @@
 """Hugging Face safetensors checkpoint -> weights pytree (docs/CONTRACTS.md).
 
-Handles single-file and sharded checkpoints, block-quantised FP8 checkpoints as released (dequantised here, in
-float32, before the leaf is combined; fp8_blocks.py), the Qwen3.5 VLM prefix `model.language_model.` (skipping
+Handles single-file and sharded checkpoints (read by checkpoint_tensors.py), block-quantised FP8 checkpoints as
+released (dequantised here, in float32, before the leaf is combined; fp8_blocks.py; or with fp8_weights="keep" held
+as e4m3 with block scales, fp8_keep.py), the Qwen3.5 VLM prefix `model.language_model.` (skipping
 `model.visual.*` and `mtp.*`), Qwen3-Next's per-key-head interleaved `in_proj_qkvz` / `in_proj_ba`, Qwen3.5's split
 GDN projections, per-head [q | gate] rows of `q_proj`, and per-expert or fused experts. Dense weights keep HF's
 [out, in]; expert stacks become [E, in, out].
@@ -9,7 +10,6 @@ GDN projections, per-head [q | gate] rows of `q_proj`, and per-expert or fused e
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
@@ -18,46 +18,40 @@ from typing import Any, Callable
 
 import numpy as np
 
-from qnext.config import ModelConfig, read_json
+from qnext.config import ModelConfig
 from qnext.model import converted_cache
-from qnext.model.fp8_blocks import Fp8Scheme, dequantize, quantization_problem, scale_name
-from qnext.model.safetensors_fp8 import FLOAT8_DTYPES, Float8File
+from qnext.model.checkpoint_tensors import (  # noqa: F401  (names the loader has always exported)
+    INDEX_FILE, SINGLE_FILE, CheckpointError, Tensors as _Tensors, checkpoint_files)
+from qnext.model.fp8_keep import FP8_WEIGHT_MODES, kept_expert_list, kept_expert_stack, kept_rows
+from qnext.model.fp8_weight import Fp8Weight
 from qnext.model.weights import ParamSpec, as_dtype, map_specs, param_specs
 from qnext.model.host_devices import engine_devices
 
 log = logging.getLogger(__name__)
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-_VLM_PREFIX = "model.language_model."
-_SKIPPED_PREFIXES = ("model.visual.", "mtp.")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match its config: missing, unexpected or mis-shaped tensors, missing files."""
-
-
 def load_params(
-    path: str | Path, cfg: ModelConfig, dtype: Any = "float32", cache_dir: str | Path | None = None
+    path: str | Path, cfg: ModelConfig, dtype: Any = "float32", cache_dir: str | Path | None = None,
+    fp8_weights: str = "dequantize",
 ) -> dict[str, Any]:
     """Loads the checkpoint in `path` as jax arrays committed to the default device (jitted outputs are committed:
     uncommitted params would compile each step shape once more after an engine's first update_weights).
 
     With `cache_dir`, the converted params are stored there with orbax, keyed by the checkpoint's path, file
     sizes and mtimes and the dtype, and a later load of the same checkpoint restores them without converting.
+    fp8_weights: convert_checkpoint's (with "keep" the cache is not used: it stores plain arrays).
     """
     import jax
 
     dt = as_dtype(dtype)
     device = engine_devices()[0]
     key = None
-    if cache_dir is not None:
+    if cache_dir is not None and fp8_weights != "keep":
         key = converted_cache.cache_key(path, dt)
         params = converted_cache.restore_converted(cache_dir, key, cfg, dt)
         if params is not None:
             return jax.device_put(params, device)
     start = time.perf_counter()
-    params = convert_checkpoint(path, cfg, dt, place=lambda a: jax.device_put(a, device))
+    params = convert_checkpoint(path, cfg, dt, place=lambda a: jax.device_put(a, device), fp8_weights=fp8_weights)
     log.info("converted %s to %s in %.1f s", path, dt.name, time.perf_counter() - start)
     if key is not None:
         converted_cache.save_converted(cache_dir, key, params)
@@ -65,9 +59,13 @@ def load_params(
 
 
 def convert_checkpoint(
-    path: str | Path, cfg: ModelConfig, dtype: Any = "float32", place: Callable[[np.ndarray], Any] | None = None
+    path: str | Path, cfg: ModelConfig, dtype: Any = "float32", place: Callable[[np.ndarray], Any] | None = None,
+    fp8_weights: str = "dequantize",
 ) -> dict[str, Any]:
     """Converts every tensor; returns numpy arrays, or `place(array)` per leaf as soon as it is built.
+
+    fp8_weights="keep": a leaf made only of fp8 tensors stays e4m3 with its block scales (an Fp8Weight, fp8_keep.py)
+    where its rows can be re-ordered block by block; every other leaf is dequantised in float32 and cast to `dtype`.
 
     Names and shapes of the whole checkpoint are checked before any tensor is read, and leaves are built one at
     a time, so host memory holds about one converted tensor beyond what `place` keeps.
@@ -78,14 +76,37 @@ def convert_checkpoint(
         map_specs(lambda p, _: t.check(_at(plan, p).sources), specs)
         t.check_all_used()
 
+        if fp8_weights not in FP8_WEIGHT_MODES:
+            raise ValueError(f"fp8_weights must be one of {FP8_WEIGHT_MODES}, got {fp8_weights!r}")
+        keep = fp8_weights == "keep" and t.fp8_block_size is not None
+
         def build(path_: tuple, spec: ParamSpec) -> Any:
             leaf = _at(plan, path_)
+            kept = _kept(t, leaf, spec.dtype) if keep else None
+            if kept is not None:
+                assert kept.shape == spec.shape, (path_, kept.shape, spec.shape)
+                return place(kept) if place is not None else kept
             arr = np.asarray(leaf.combine(*(t.read(name) for name, _ in leaf.sources)), dtype=spec.dtype)
             assert arr.shape == spec.shape, (path_, arr.shape, spec.shape)
             arr = np.ascontiguousarray(arr)
             return place(arr) if place is not None else arr
 
         return map_specs(build, specs)
+
+
+def _kept(t, leaf: "_Leaf", dtype) -> Fp8Weight | None:
+    names = [name for name, _ in leaf.sources]
+    if not leaf.fp8_form or not any(t.is_fp8(n) for n in names):
+        return None
+    if leaf.fp8_form == "rows":   # fp8 sources with (in_proj) the release's bf16 ones, which become the tail
+        parts = [t.read_fp8(n) if t.is_fp8(n) else (t.read(n), None) for n in names]
+        return kept_rows(parts, leaf.combine, t.fp8_block_size, dtype)
+    if not all(t.is_fp8(n) for n in names):
+        return None
+    if len(names) == 1:                                   # fused experts [E, out, in]
+        return kept_expert_stack(*t.read_fp8(names[0]), t.fp8_block_size)
+    per_expert = 2 if names[0].endswith("gate_proj.weight") else 1   # [gate_j, up_j]... or [down_j]...
+    return kept_expert_list([t.read_fp8(n) for n in names], per_expert, t.fp8_block_size)
 
 
 # ---- conversion plan -----------------------------------------------------------------------------------------------
@@ -95,14 +116,15 @@ class _Leaf:
 
     sources: tuple[tuple[str, tuple[int, ...]], ...]
     combine: Callable[..., np.ndarray]
+    fp8_form: str = ""   # how fp8_weights="keep" keeps it: "rows" (combine re-orders rows), "experts", "": never
 
 
 def _same(name: str, *shape: int) -> _Leaf:
-    return _Leaf(((name, shape),), lambda x: x)
+    return _Leaf(((name, shape),), lambda x: x, "rows" if len(shape) == 2 else "")
 
 
 def _stacked_rows(*sources: tuple[str, tuple[int, ...]]) -> _Leaf:  # HF [out_i, in] blocks -> [sum out_i, in]
-    return _Leaf(tuple(sources), lambda *xs: np.concatenate(xs, axis=0))
+    return _Leaf(tuple(sources), lambda *xs: np.concatenate(xs, axis=0), "rows")
 
 
 def _at(tree: Any, path: tuple) -> Any:
@@ -147,7 +169,7 @@ def _linear_attention(t: "_Tensors", p: str, cfg: ModelConfig) -> dict[str, _Lea
             return np.concatenate([x.reshape(-1, H) for x in (q, k, v, z, b, a)], axis=0)
 
         in_proj = _Leaf(((p + "in_proj_qkvz.weight", (2 * cfg.key_dim + 2 * cfg.value_dim, H)),
-                         (p + "in_proj_ba.weight", (2 * Hv, H))), deinterleave)
+                         (p + "in_proj_ba.weight", (2 * Hv, H))), deinterleave, "rows")
     else:
         # Qwen3.5: in_proj_qkv rows are already the conv channel order q | k | v.
         in_proj = _stacked_rows((p + "in_proj_qkv.weight", (cfg.conv_dim, H)),
@@ -174,7 +196,7 @@ def _full_attention(t: "_Tensors", p: str, cfg: ModelConfig) -> dict[str, _Leaf]
 
     out = {
         "qkv_proj": _Leaf(((p + "q_proj.weight", (2 * Hq * D, H)), (p + "k_proj.weight", (Hkv * D, H)),
-                           (p + "v_proj.weight", (Hkv * D, H))), q_gate_k_v),
+                           (p + "v_proj.weight", (Hkv * D, H))), q_gate_k_v, "rows"),
         "o_proj": _same(p + "o_proj.weight", H, Hq * D),
         "q_norm": _same(p + "q_norm.weight", D),
         "k_norm": _same(p + "k_norm.weight", D),
@@ -199,15 +221,16 @@ def _moe(t: "_Tensors", p: str, cfg: ModelConfig) -> dict[str, _Leaf]:
     swap = lambda x: x.transpose(0, 2, 1)  # noqa: E731  [E, out, in] -> [E, in, out]
     if t.has(p + "experts.gate_up_proj"):
         # fused (Qwen3.5-MoE releases): gate_up [E, 2I, H] with gate rows first, down [E, H, I]
-        gate_up = _Leaf(((p + "experts.gate_up_proj", (E, 2 * I, H)),), swap)
-        down = _Leaf(((p + "experts.down_proj", (E, H, I)),), swap)
+        gate_up = _Leaf(((p + "experts.gate_up_proj", (E, 2 * I, H)),), swap, "experts")
+        down = _Leaf(((p + "experts.down_proj", (E, H, I)),), swap, "experts")
     else:
         e = p + "experts."
         gate_up = _Leaf(
             tuple((f"{e}{j}.{w}_proj.weight", (I, H)) for j in range(E) for w in ("gate", "up")),
-            lambda *m: swap(np.stack([np.concatenate(m[2 * j:2 * j + 2]) for j in range(E)])),
+            lambda *m: swap(np.stack([np.concatenate(m[2 * j:2 * j + 2]) for j in range(E)])), "experts",
         )
-        down = _Leaf(tuple((f"{e}{j}.down_proj.weight", (H, I)) for j in range(E)), lambda *m: swap(np.stack(m)))
+        down = _Leaf(tuple((f"{e}{j}.down_proj.weight", (H, I)) for j in range(E)), lambda *m: swap(np.stack(m)),
+                     "experts")
     return {
         "router": _same(p + "gate.weight", E, H),
         "experts_gate_up": gate_up,
@@ -217,104 +240,3 @@ def _moe(t: "_Tensors", p: str, cfg: ModelConfig) -> dict[str, _Leaf]:
         "shared_down": _same(p + "shared_expert.down_proj.weight", H, Is),
         "shared_gate": _same(p + "shared_expert_gate.weight", 1, H),
     }
-
-
-# ---- reading safetensors -------------------------------------------------------------------------------------------
-def checkpoint_files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint directory (from the index when sharded)."""
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory {path} does not exist")
-    index = path / INDEX_FILE
-    if index.exists():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index} has no 'weight_map' object")
-        files = [path / f for f in dict.fromkeys(weight_map.values())]
-        for f in files:
-            if not f.exists():
-                raise CheckpointError(f"shard {f.name} listed in {index} is missing from {path}")
-        return files
-    if (path / SINGLE_FILE).exists():
-        return [path / SINGLE_FILE]
-    raise CheckpointError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}")
-
-
-class _Tensors:
-    """Name -> tensor over all files, with the VLM prefix stripped and skipped names dropped; tracks use."""
-
-    def __init__(self, path: Path):
-        self._path = path
-        self._files = checkpoint_files(path)
-        self._stack = contextlib.ExitStack()
-        self._where: dict[str, tuple[Any, str, str]] = {}  # name -> (handle, original name, file name)
-        self._used: set[str] = set()
-        config = path / "config.json"
-        self._fp8 = Fp8Scheme.from_hf_config(read_json(config)) if config.is_file() else None
-        self._float8_files: dict[str, Float8File] = {}  # file name -> header, for the fp8 tensors' reads
-
-    def __enter__(self) -> "_Tensors":
-        from safetensors import safe_open
-
-        for f in self._files:
-            try:
-                handle = self._stack.enter_context(safe_open(str(f), framework="numpy"))
-            except Exception as e:  # safetensors raises its own error types for corrupt headers
-                raise CheckpointError(f"cannot read {f}: {e}") from None
-            for original in handle.keys():
-                if original.startswith(_SKIPPED_PREFIXES):
-                    continue
-                name = "model." + original[len(_VLM_PREFIX):] if original.startswith(_VLM_PREFIX) else original
-                if name in self._where:
-                    raise CheckpointError(f"tensor {original!r} appears twice (in {self._where[name][2]} and {f.name})")
-                self._where[name] = (handle, original, f.name)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stack.close()
-
-    def has(self, name: str) -> bool:
-        return name in self._where
-
-    def check(self, sources: tuple[tuple[str, tuple[int, ...]], ...]) -> None:
-        """Each named tensor exists with the given shape; marks them used."""
-        for name, shape in sources:
-            if name not in self._where:
-                raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self._path}")
-            handle, original, file = self._where[name]
-            got = tuple(handle.get_slice(original).get_shape())
-            if got != tuple(shape):
-                raise CheckpointError(
-                    f"tensor {original!r} in {file} has shape {got}; the config expects {tuple(shape)}"
-                )
-            self._check_quantization(name, got, handle.get_slice(original).get_dtype())
-            self._used.add(name)
-
-    def _check_quantization(self, name: str, shape: tuple[int, ...], dtype: str) -> None:
-        """fp8_blocks.quantization_problem, as a CheckpointError naming the tensor; a checked scale is marked used."""
-        _, original, file = self._where[name]
-        scale = self._where.get(scale_name(name))
-        scale_shape = None if scale is None else tuple(scale[0].get_slice(scale[1]).get_shape())
-        problem = quantization_problem(self._fp8, name, shape, dtype, dtype in FLOAT8_DTYPES, scale_shape)
-        if problem:
-            raise CheckpointError(f"tensor {original!r} in {file} {problem}")
-        if dtype in FLOAT8_DTYPES:
-            self._used.add(scale_name(name))
-
-    def read(self, name: str) -> np.ndarray:
-        handle, original, file = self._where[name]
-        if handle.get_slice(original).get_dtype() not in FLOAT8_DTYPES:
-            return handle.get_tensor(original)
-        if file not in self._float8_files:
-            self._float8_files[file] = Float8File(self._path / file)
-        s_handle, s_original, _ = self._where[scale_name(name)]
-        return dequantize(self._float8_files[file].read(original), s_handle.get_tensor(s_original),
-                          self._fp8.block_size)
-
-    def check_all_used(self) -> None:
-        unused = [n for n in self._where if n not in self._used]
-        if unused:
-            _, original, file = self._where[unused[0]]
-            more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
-            raise CheckpointError(
-                f"unexpected tensor {original!r} in {file}{more}; does the config match the checkpoint?"
-            )

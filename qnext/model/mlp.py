@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from qnext.config import ModelConfig
+from qnext.model.fp8_weight import Fp8Weight
 from qnext.model.linear import linear
 from qnext.model.tensor_parallel import AXIS
 
@@ -23,7 +24,10 @@ def grouped_matmul(rows, weights, group_sizes, ragged: bool):
 
     ragged (on GPU): XLA's ragged_dot. Elsewhere ragged_dot is far too slow (~0.5 GFLOP/s on CPU), so each group is
     padded to blocks of MOE_BLOCK_ROWS rows that share one matrix, and the blocks run as one batched matmul:
-    at most M / B + G blocks, exact, wasting at most G * B rows."""
+    at most M / B + G blocks, exact, wasting at most G * B rows. An Fp8Weight stack is widened to the rows' dtype
+    first (fp8_weight.py)."""
+    if isinstance(weights, Fp8Weight):
+        weights = weights.dequantized(rows.dtype)
     if ragged:
         return jax.lax.ragged_dot(rows, weights, group_sizes)
     m, g, b = rows.shape[0], weights.shape[0], MOE_BLOCK_ROWS

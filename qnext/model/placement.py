@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qnext.config import ModelConfig
+from qnext.model.fp8_weight import Fp8Weight
 from qnext.model.host_devices import engine_devices
 from qnext.model.tensor_parallel import make_mesh, shard_params
 from qnext.model.weights import ParamSpec, as_dtype, map_specs, param_specs
@@ -24,12 +25,22 @@ def place_params(params, cfg: ModelConfig, dtype: Any, tensor_parallel_size: int
     dtype) -> the engine's own device arrays, always copies (the source's buffers stay the caller's)."""
     specs = param_specs(cfg, as_dtype(dtype))
     if tensor_parallel_size > 1:
-        host = map_specs(lambda path, spec: np.asarray(jax.device_get(_checked(params, path, spec))).astype(
-            spec.dtype, copy=False), specs)
+        host = map_specs(lambda path, spec: _on_host(_checked(params, path, spec), spec), specs)
         return shard_params(host, cfg, make_mesh(tensor_parallel_size))
     device = engine_devices()[0]
-    return map_specs(lambda path, spec: jax.device_put(jnp.array(_checked(params, path, spec), dtype=spec.dtype),
-                                                       device), specs)
+    return map_specs(lambda path, spec: jax.device_put(_as_placed(_checked(params, path, spec), spec), device),
+                     specs)
+
+
+def _on_host(leaf, spec: ParamSpec):
+    """A leaf as numpy in the spec's dtype; a kept fp8 weight (fp8_weight.py) stays e4m3 with its scales."""
+    if isinstance(leaf, Fp8Weight):
+        return jax.device_get(leaf)
+    return np.asarray(jax.device_get(leaf)).astype(spec.dtype, copy=False)
+
+
+def _as_placed(leaf, spec: ParamSpec):
+    return jax.tree.map(jnp.array, leaf) if isinstance(leaf, Fp8Weight) else jnp.array(leaf, dtype=spec.dtype)
 
 
 def place_mtp_params(mtp, dtype: Any):
@@ -71,6 +82,10 @@ class WeightUpdate:
 
     def __call__(self, placed, params):
         """The new weights, in `placed`'s buffers (donated: `placed` is consumed)."""
+        if _has_fp8(placed) and not _has_fp8(params):
+            raise ValueError("this engine holds an FP8 checkpoint's weights in e4m3 (fp8_weights='keep'); "
+                             "update_weights takes plain weights only into an engine started with "
+                             "fp8_weights='dequantize'")
         if self.tensor_parallel_size > 1:
             params = place_params(params, self.cfg, self.dtype, self.tensor_parallel_size)
         if jax.tree.map(lambda x: x.shape, placed) != jax.tree.map(lambda x: x.shape, params):
@@ -79,6 +94,10 @@ class WeightUpdate:
         if _signature(params) != self._signature:
             self.prepare(placed, params)
         return self._copy(placed, params)
+
+
+def _has_fp8(params) -> bool:
+    return any(isinstance(x, Fp8Weight) for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Fp8Weight)))
 
 
 def _overwrite(old, new):

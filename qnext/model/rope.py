@@ -18,7 +18,9 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     dim = cfg.rotary_dim
     base = cfg.rope_theta
     exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
-    pos_freqs = np.power(np.float32(base), exponents, dtype=np.float32)  # [dim/2]
+    # base ** e correctly rounded to float32 (as torch's pow; numpy's float32 pow is off by one ulp at some e).
+    # One ulp of inv_freq moves the angle at position 2^20 by ~0.03 rad, so the tables must agree bit for bit.
+    pos_freqs = np.power(np.float64(base), exponents.astype(np.float64)).astype(np.float32)  # [dim/2]
     scaling = cfg.rope_scaling
     if scaling is None:
         return (np.float32(1.0) / pos_freqs).astype(np.float32), 1.0
@@ -61,3 +63,25 @@ def _yarn(cfg: ModelConfig, dim: int, base: float, pos_freqs: np.ndarray) -> tup
     inv_interpolation = np.float32(1.0) / (np.float32(factor) * pos_freqs)
     inv_freq = inv_interpolation * (1 - extrapolation_factor) + inv_extrapolation * extrapolation_factor
     return inv_freq.astype(np.float32), float(attention_factor)
+
+
+def position_limit(cfg: ModelConfig) -> int:
+    """The positions the RoPE configuration covers: max_position_embeddings, or with YaRN factor x the original
+    length when that is larger (the release's factor 4 over 262,144 gives 1,048,576)."""
+    s = cfg.rope_scaling
+    if s is None or s.rope_type != "yarn":
+        return cfg.max_position_embeddings
+    original = s.original_max_position_embeddings or cfg.max_position_embeddings
+    factor = s.factor if s.factor is not None else cfg.max_position_embeddings / original
+    return max(cfg.max_position_embeddings, int(factor * original))
+
+
+def position_limit_error(cfg: ModelConfig, num_positions: int, what: str) -> ValueError:
+    """The refusal for `what` needing `num_positions` positions beyond position_limit(cfg), naming the options."""
+    limit, native = position_limit(cfg), cfg.max_position_embeddings
+    factor = -(-num_positions // native)
+    return ValueError(
+        f"{what} needs {num_positions} positions; the model's RoPE covers {limit} (max_position_embeddings "
+        f"{native}{', with YaRN' if limit != native else ''}). Lower max_model_len, or extend the positions with "
+        f"YaRN in the checkpoint's config.json: \"rope_parameters\": {{\"rope_type\": \"yarn\", \"factor\": "
+        f"{float(max(factor, 2))}, \"original_max_position_embeddings\": {native}, ...}}")

@@ -45,6 +45,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cache.device_buffers import CacheBuffers
 from qnext.config import ModelConfig
+from qnext.model.fp8_sharding import reorder_fp8
+from qnext.model.fp8_weight import Fp8Weight
 from qnext.model.host_devices import engine_devices
 from qnext.model.weights import ParamSpec, map_specs, param_specs
 
@@ -181,16 +183,23 @@ def buffer_specs(buffers: CacheBuffers, cfg: ModelConfig) -> CacheBuffers:
                         recurrent=tuple(_spec(1) for _ in buffers.recurrent))
 
 
-def _device_major(x, axis: int, segments: list[int], tp: int):
+def _device_major(x, axis: int, segments: list[int], tp: int, name: str = ""):
     """Re-orders the fused segments along `axis` so that the r-th 1/tp of the axis holds every segment's r-th part."""
+    if isinstance(x, Fp8Weight):
+        return reorder_fp8(x, axis, segments, [n // tp for n in segments],
+                           lambda a, ax, seg, first: _device_major(a, ax, seg, tp), name=name, tp=tp)
     parts = np.split(x, np.cumsum(segments)[:-1], axis=axis)
     per_device = [np.split(p, tp, axis=axis) for p in parts]
     return np.concatenate([per_device[j][r] for r in range(tp) for j in range(len(parts))], axis=axis)
 
 
-def _repeat_heads(x, axis: int, segments: list[int], repeats: list[int]):
+def _repeat_heads(x, axis: int, segments: list[int], repeats: list[int], name: str = "", tp: int = 1):
     """Fused segments along `axis`, each segment j's heads (rows of its size / heads) repeated repeats[j] times in
     place (head h -> copies h, h, ...), given as repeats[j] = (heads, times)."""
+    if isinstance(x, Fp8Weight):
+        heads = [n // h if times > 1 else n for n, (h, times) in zip(segments, repeats)]
+        return reorder_fp8(x, axis, segments, heads, lambda a, ax, seg, first: _repeat_heads(
+            a, ax, seg, repeats[first:first + len(seg)]), name=name, tp=tp)
     parts = np.split(x, np.cumsum(segments)[:-1], axis=axis)
     out = []
     for part, (heads, times) in zip(parts, repeats):
@@ -221,12 +230,12 @@ def replicate_heads(params, cfg: ModelConfig, tp: int):
     for i, layer in enumerate(params["layers"]):
         attn = dict(layer["attn"])
         if cfg.is_linear_layer(i):
-            attn["in_proj"] = _repeat_heads(attn["in_proj"], 0, *in_segments)
+            attn["in_proj"] = _repeat_heads(attn["in_proj"], 0, *in_segments, f"layers.{i}.attn.in_proj", tp)
             attn["conv_weight"] = _repeat_heads(attn["conv_weight"], 0, *conv_segments)
         else:
             for name in ("qkv_proj", "qkv_bias"):
                 if name in attn:
-                    attn[name] = _repeat_heads(attn[name], 0, *attn_segments)
+                    attn[name] = _repeat_heads(attn[name], 0, *attn_segments, f"layers.{i}.attn.{name}", tp)
         layers.append({**layer, "attn": attn})
     return {**params, "layers": tuple(layers)}
 
@@ -242,8 +251,11 @@ def shard_params(params, cfg: ModelConfig, mesh: Mesh):
         leaf, axis = params, _split_axis(spec, cfg)
         for key in path:
             leaf = leaf[key]
+        name = "/".join(map(str, path))
         if spec.segments is not None and axis is not None and spec.axes[axis] in SPLIT_AXES:   # segments' axis
-            leaf = _device_major(leaf, axis, list(spec.segments), tp)
+            leaf = _device_major(leaf, axis, list(spec.segments), tp, name)
+        elif isinstance(leaf, Fp8Weight) and axis is not None:   # whole blocks on each device: checked
+            leaf = _device_major(leaf, axis, [leaf.shape[axis]], tp, name)
         if spec.after_reduce and cfg.attention_tensor_parallel:   # every device adds it before the all-reduce
             leaf = leaf / tp                                      # (exact for powers of two)
         return jax.device_put(leaf, NamedSharding(mesh, _spec(axis)))

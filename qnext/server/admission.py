@@ -19,6 +19,7 @@ from qnext.sampling_params import SamplingParams
 from qnext.server.chat_request import ChatInputs, ChatRequest, ChatTranslator
 from qnext.server.engine_loop import AsyncEngine, EngineStepError, EngineStoppedError, QueueFullError
 from qnext.server.errors import APIError, bad_request, engine_error
+from qnext.server.media import MediaLimits
 from qnext.server.prompt_bound import PromptBound
 from qnext.server.request_stream import RequestStream
 
@@ -29,7 +30,8 @@ def new_request_id(prefix: str) -> str:
 
 class Admission:
     def __init__(self, async_engine: AsyncEngine, model_name: str, *, aliases: Sequence[str] = (),
-                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                 media_limits: MediaLimits = MediaLimits()):
         engine = async_engine.engine
         self.async_engine = async_engine
         self.model_name = model_name
@@ -40,7 +42,8 @@ class Admission:
         self.prompt_bound = PromptBound(self.tokenizer, self.max_model_len)
         self.translator = ChatTranslator(self.tokenizer, tool_call_parser=tool_call_parser,
                                          reasoning_parser=reasoning_parser,
-                                         check_structured=getattr(engine, "validate_structured_outputs", None))
+                                         check_structured=getattr(engine, "validate_structured_outputs", None),
+                                         vision=getattr(engine, "vision", None), media_limits=media_limits)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
@@ -83,13 +86,16 @@ class Admission:
 
     async def admit_chat(self, id_prefix: str, chat: ChatRequest) -> RequestStream:
         """A chat of any API: max_tokens is an upper bound (clamped)."""
-        return await self.admit(id_prefix, chat.prompt, chat.prompt_token_ids, chat.params, clamp=True)
+        return await self.admit(id_prefix, chat.prompt, chat.prompt_token_ids, chat.params, clamp=True,
+                                multi_modal_data=chat.multi_modal_data)
 
     async def admit(self, id_prefix: str, text: str | None, token_ids: list[int], params: SamplingParams, *,
-                    clamp: bool) -> RequestStream:
+                    clamp: bool, multi_modal_data: dict | None = None) -> RequestStream:
         """A new request in the engine, once the engine loop has taken it."""
         self.fit(token_ids, params, clamp=clamp, param="messages" if clamp else "prompt")
         prompt = {"prompt": text, "prompt_token_ids": token_ids}
+        if multi_modal_data:
+            prompt["multi_modal_data"] = multi_modal_data
         try:
             return await self.async_engine.add(new_request_id(id_prefix), prompt, params)
         except (QueueFullError, EngineStoppedError, EngineStepError, ValueError) as e:

@@ -27,12 +27,7 @@ def _require(cond: bool, message: str, param: str) -> None:
         raise bad_request(message, param)
 
 
-# A tool's result may hold an image or a document (Claude Code's Read of a PNG): the model cannot see it, but the
-# turn must go on, so it is named in the text instead of refusing the whole conversation.
-_UNREADABLE_IN_RESULTS = ("image", "document")
-
-
-def _text_of_blocks(blocks: Any, param: str, in_tool_result: bool = False) -> str:
+def _text_of_blocks(blocks: Any, param: str) -> str:
     """A string, or a list of text blocks, as one string."""
     if isinstance(blocks, str):
         return blocks
@@ -40,9 +35,6 @@ def _text_of_blocks(blocks: Any, param: str, in_tool_result: bool = False) -> st
     texts = []
     for i, block in enumerate(blocks):
         kind = block.get("type") if isinstance(block, dict) else None
-        if in_tool_result and kind in _UNREADABLE_IN_RESULTS:
-            texts.append(f"[{kind} omitted: this model reads text only]")
-            continue
         _require(kind == "text", f"{param}[{i}] is a {kind!r} block; only text blocks are supported here",
                  f"{param}.{i}")
         _require(isinstance(block.get("text"), str), f"{param}[{i}].text must be a string", f"{param}.{i}.text")
@@ -50,13 +42,63 @@ def _text_of_blocks(blocks: Any, param: str, in_tool_result: bool = False) -> st
     return "\n".join(texts)
 
 
+def _image_part(block: dict, where: str) -> dict:
+    """An Anthropic image block (base64 or url source) as an OpenAI image_url part (server/media.py reads it)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        _require(isinstance(source.get("media_type"), str) and isinstance(source.get("data"), str),
+                 f"{where}.source needs a media_type and base64 data", f"{where}.source")
+        url = f"data:{source['media_type']};base64,{source['data']}"
+    elif kind == "url":
+        _require(isinstance(source.get("url"), str), f"{where}.source.url must be a string", f"{where}.source")
+        url = source["url"]
+    else:
+        raise bad_request(f"{where}.source.type of an image block must be 'base64' or 'url', got {kind!r}",
+                          f"{where}.source")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+# A tool's result may hold a document (Claude Code's Read of a PDF): the model cannot read it, but the turn must go
+# on, so it is named in the text instead of refusing the whole conversation.
+DOCUMENT_OMITTED = "[document omitted: this server reads no documents]"
+
+
+def _parts(blocks: list[tuple[int, Any]], param: str, kinds: str, in_tool_result: bool = False
+           ) -> list[dict] | str:
+    """(index, block) pairs of text and image blocks as OpenAI content parts (a plain string when there is no
+    image)."""
+    parts = []
+    for i, block in blocks:
+        kind = block.get("type") if isinstance(block, dict) else None
+        where = f"{param}.{i}"
+        if in_tool_result and kind == "document":
+            parts.append({"type": "text", "text": DOCUMENT_OMITTED})
+        elif kind == "text":
+            _require(isinstance(block.get("text"), str), f"{where}.text must be a string", where)
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image":
+            parts.append(_image_part(block, where))
+        else:
+            raise bad_request(f"{where} is a {kind!r} block; {kinds}", where)
+    if all(p["type"] == "text" for p in parts):
+        return "\n".join(p["text"] for p in parts)
+    return parts
+
+
 def _tool_result(block: dict, param: str) -> dict:
     _require(isinstance(block.get("tool_use_id"), str), f"{param}.tool_use_id must be a string", param)
     content = block.get("content", "")
-    text = _text_of_blocks(content, f"{param}.content", in_tool_result=True) if content is not None else ""
+    if isinstance(content, list):
+        content = _parts(list(enumerate(content)), f"{param}.content", "a tool_result holds text and image blocks",
+                         in_tool_result=True)
+    elif content is None:
+        content = ""
+    _require(isinstance(content, (str, list)), f"{param}.content must be a string or a list of content blocks",
+             f"{param}.content")
     if block.get("is_error"):
-        text = f"Error: {text}"
-    return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": text}
+        content = f"Error: {content}" if isinstance(content, str) else [{"type": "text", "text": "Error:"}, *content]
+    return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": content}
 
 
 def _tool_use(block: dict, param: str) -> dict:
@@ -72,19 +114,17 @@ def _user_messages(content: Any, param: str) -> list[dict]:
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
     _require(isinstance(content, list), f"{param} must be a string or a list of content blocks", param)
-    results, texts = [], []
+    results, others = [], []
     for i, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
-        where = f"{param}.{i}"
-        if kind == "text":
-            _require(isinstance(block.get("text"), str), f"{where}.text must be a string", where)
-            texts.append(block["text"])
-        elif kind == "tool_result":
-            results.append(_tool_result(block, where))
+        if kind == "tool_result":
+            results.append(_tool_result(block, f"{param}.{i}"))
         else:
-            raise bad_request(f"{where} is a {kind!r} block; user turns take text and tool_result blocks "
-                              "(this server reads no images or documents)", where)
-    return results + ([{"role": "user", "content": "\n".join(texts)}] if texts or not results else [])
+            others.append((i, block))
+    if not others:
+        return results or [{"role": "user", "content": ""}]
+    return results + [{"role": "user", "content": _parts(others, param,
+                                                         "user turns take text, image and tool_result blocks")}]
 
 
 def _assistant_message(content: Any, param: str) -> dict:

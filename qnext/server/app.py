@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from qnext.server.admission import Admission
+from qnext.server.media import MediaLimits
 from qnext.server.agent_serving import AgentServing
 from qnext.server.auth import APIKeyMiddleware
 from qnext.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
@@ -33,17 +34,19 @@ def build_async_engine(engine, *, max_waiting_requests: int, model_name: str,
 
 def build_app(engine, *, model_name: str, aliases: Sequence[str] = (), max_waiting_requests: int = 256,
               tool_call_parser: str | None = None, reasoning_parser: str | None = None, api_key: str | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, async_engine=None, metrics=None) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, async_engine=None, metrics=None,
+              media_limits: MediaLimits = MediaLimits()) -> FastAPI:
     """An app serving `engine` (an LLMEngine, or anything with its methods) as `model_name` (and `aliases`).
     Starting the app starts the engine thread; stopping it aborts what is left and joins the thread.
     tool_call_parser / reasoning_parser: parser names (None: chosen from the chat template; "none": off). With
     `api_key`, /v1 routes want it (auth.py); bodies past `max_request_bytes` get 413 (body_limit.py).
-    `async_engine` and `metrics` replace the one engine loop (data parallelism: qnext/server/data_parallel.py)."""
+    `async_engine` and `metrics` replace the one engine loop (data parallelism: qnext/server/data_parallel.py).
+    media_limits: pictures per request, bytes, pixels, URL fetching (server/media.py)."""
     if async_engine is None:
         async_engine, metrics = build_async_engine(engine, max_waiting_requests=max_waiting_requests,
                                                    model_name=model_name)
     admission = Admission(async_engine, model_name, aliases=aliases, tool_call_parser=tool_call_parser,
-                          reasoning_parser=reasoning_parser)
+                          reasoning_parser=reasoning_parser, media_limits=media_limits)
     serving, agents = OpenAIServing(admission), AgentServing(admission)
     created = int(time.time())
 

@@ -26,7 +26,10 @@ from qnext.agents.reasoning import REASONING_PARSERS, THINK_END
 from qnext.agents.tool_grammar import ToolGrammarError, tool_call_grammar
 from qnext.agents.tool_parsers import TOOL_PARSERS
 from qnext.sampling_params import SamplingParams, StructuredOutputsParams
+from qnext.engine.visual_request import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
 from qnext.server.errors import bad_request
+from qnext.server.media import MediaLimits, MediaPart, openai_part_media
+from qnext.server.pictures import PictureInputs
 
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -56,6 +59,7 @@ class ChatRequest:
     tools: list[dict[str, Any]]
     tool_choice: str                        # "none" | "auto" | "required" | "function"
     include_reasoning: bool
+    multi_modal_data: dict | None = None    # the pictures, preprocessed, for the engine (prompt order per kind)
 
     def new_output_parser(self) -> OutputParser:
         """Calls come out whole: a call is sent once it has ended, and one cut off by max_tokens never is."""
@@ -69,7 +73,8 @@ class ChatTranslator:
     (ValueError naming the problem), or None to leave it to admission."""
 
     def __init__(self, tokenizer, *, tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                 check_structured: Callable[[SamplingParams], None] | None = None):
+                 check_structured: Callable[[SamplingParams], None] | None = None, vision=None,
+                 media_limits: MediaLimits = MediaLimits()):
         template = tokenizer.chat_template if tokenizer is not None else None
         if tool_call_parser not in (None, "none", *TOOL_PARSERS):
             raise ValueError(f"unknown tool-call parser {tool_call_parser!r}; known: {sorted(TOOL_PARSERS)}")
@@ -84,6 +89,7 @@ class ChatTranslator:
             self.reasoning_parser = None
         self.think_end_id = tokenizer.token_to_id(THINK_END) if tokenizer is not None else None
         self._check_structured = check_structured
+        self.pictures = PictureInputs(vision, media_limits)
 
     def translate(self, inputs: ChatInputs, params: SamplingParams) -> ChatRequest:
         tools = check_tools(inputs.tools)
@@ -96,8 +102,12 @@ class ChatTranslator:
             raise bad_request(f"{param} and tool_choice={_choice_text(inputs.tool_choice)} both constrain the output; "
                               "send one of them", param)
         kwargs = dict(inputs.chat_template_kwargs or {})
-        messages = template_messages(inputs.messages)
+        media: list[MediaPart] = []
+        messages = template_messages(inputs.messages, media)
         prompt = self.render(messages, tools, inputs.add_generation_prompt, kwargs)
+        multi_modal_data = None
+        if media:
+            prompt, multi_modal_data = self.pictures.expand(prompt, media)
         token_ids = self.encode(prompt)
         reasoning = self.reasoning_parser is not None and inputs.add_generation_prompt \
             and prompt_ends_in_reasoning(prompt)
@@ -119,7 +129,7 @@ class ChatTranslator:
                 raise bad_request(f"{param}: {e}", param) from None
         return ChatRequest(prompt, token_ids, params, reasoning,
                            self.tool_call_parser if tools and choice != "none" else None, tools, choice,
-                           inputs.include_reasoning)
+                           inputs.include_reasoning, multi_modal_data)
 
     def render(self, messages: list[dict], tools: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
         if self.tokenizer is None or self.tokenizer.chat_template is None:
@@ -221,15 +231,18 @@ def structured_request(response_format: dict | None, structured_outputs: dict | 
 
 
 # ---- messages -----------------------------------------------------------------------------------------------------
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def template_messages(messages: list[dict[str, Any]], media: list[MediaPart] | None = None) -> list[dict[str, Any]]:
     """OpenAI messages as the chat template takes them: content as one string, `developer` as `system`, tool-call
-    arguments as objects (OpenAI sends them as JSON text), `reasoning` also as `reasoning_content`."""
+    arguments as objects (OpenAI sends them as JSON text), `reasoning` also as `reasoning_content`. Pictures
+    (image_url / video_url parts) become the Qwen3.5 template's placeholder, `<|vision_start|><|image_pad|>
+    <|vision_end|>`, in place, and are appended to `media` in prompt order."""
     out = []
+    media = [] if media is None else media
     for i, m in enumerate(messages):
         message = dict(m)
         if message.get("role") == "developer":
             message["role"] = "system"
-        message["content"] = message_text(message.get("content"), i)
+        message["content"] = message_text(message.get("content"), i, media)
         if message.get("role") == "assistant":
             if "reasoning_content" not in message and isinstance(message.get("reasoning"), str):
                 message["reasoning_content"] = message["reasoning"]
@@ -259,17 +272,26 @@ def _call_for_template(call: Any, i: int, j: int) -> dict:
     return {**call, "function": {**fn, "arguments": arguments}}
 
 
-def message_text(content: Any, index: int) -> str:
+def message_text(content: Any, index: int, media: list[MediaPart]) -> str:
+    """Text parts joined by newlines; a picture's placeholder joins its neighbours directly (as the real
+    template renders a content list)."""
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
-        texts = []
+        pieces: list[tuple[bool, str]] = []     # (is text, rendered)
         for j, part in enumerate(content):
+            picture = openai_part_media(part, f"messages.{index}.content.{j}") if isinstance(part, dict) else None
+            if picture is not None:
+                media.append(picture)
+                pieces.append((False, VISION_START + (IMAGE_PAD if picture.kind == "image" else VIDEO_PAD)
+                               + VISION_END))
+                continue
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise bad_request(f"messages[{index}].content[{j}] is a {kind!r} part; only text parts "
-                                  "({'type': 'text', 'text': ...}) are supported", f"messages.{index}.content")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise bad_request(f"messages[{index}].content must be a string or a list of text parts, "
+                raise bad_request(f"messages[{index}].content[{j}] is a {kind!r} part; the parts supported are "
+                                  "text, image_url and video_url", f"messages.{index}.content")
+            pieces.append((True, part["text"]))
+        return "".join(("\n" if k and is_text and pieces[k - 1][0] else "") + text
+                       for k, (is_text, text) in enumerate(pieces))
+    raise bad_request(f"messages[{index}].content must be a string or a list of content parts, "
                       f"got {type(content).__name__}", f"messages.{index}.content")

@@ -15,6 +15,7 @@ import signal
 import sys
 
 from qnext.engine.config import EngineConfig
+from qnext.server.media_flags import add_media_arguments, media_limits
 
 logger = logging.getLogger("qnext.server")
 
@@ -92,6 +93,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="accepted for vLLM compatibility; tool_choice 'auto' is always served")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_access_arguments(p)
+    add_media_arguments(p)
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas, each on its own tensor_parallel_size devices (qnext/server/data_parallel.py)")
     p.add_argument("--data-parallel-routing", default="cache_aware", choices=["cache_aware", "round_robin"],
@@ -179,7 +181,7 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
     app = build_app(engine, model_name=names[0], aliases=names[1:], max_waiting_requests=args.max_waiting_requests,
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                     api_key=args.api_key, max_request_bytes=args.max_request_bytes, async_engine=async_engine,
-                    metrics=metrics)
+                    metrics=metrics, media_limits=media_limits(args))
     return run_uvicorn(app, args)
 
 

@@ -38,6 +38,9 @@ _ENGINE_COUNTERS = [
     ("qnext:spec_decode_num_drafts", "num_spec_rows", "Rows of speculative steps (each verified its drafts once)."),
     ("qnext:spec_decode_num_draft_tokens", "num_draft_tokens", "Draft tokens verified."),
     ("qnext:spec_decode_num_accepted_tokens", "num_accepted_draft_tokens", "Draft tokens accepted."),
+    ("qnext:vision_tower_runs", "num_tower_runs", "Pictures encoded by the vision tower."),
+    ("qnext:vision_tower_seconds", "tower_seconds", "Wall time of the vision tower's runs."),
+    ("qnext:encoder_cache_hits", "num_encoder_cache_hits", "Pictures whose tower output came from the encoder cache."),
 ]
 _USAGE_GAUGES = [
     ("qnext:kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV blocks referenced by requests (0-1)."),

@@ -86,6 +86,7 @@ def watch_ranks(monitor, async_engine, every_s: float = 0.5) -> None:
 def lead(model, engine_options: dict, args, names: list[str]):
     """Rank 0: the gate (serving 503s at once) and a thread that joins the ranks and opens it -> the ASGI app."""
     from qnext.server.app import build_app, build_async_engine
+    from qnext.server.media_flags import media_limits
     from qnext.server.rank_gate import RankGate, RanksCollector
 
     monitor = RankMonitor(args.nnodes, heartbeat_address(args.dist_init_addr), timeout_s=args.dist_timeout)
@@ -107,7 +108,8 @@ def lead(model, engine_options: dict, args, names: list[str]):
             metrics.registry.register(RanksCollector(lambda: monitor.ranks_up, args.nnodes))
             app = build_app(engine, model_name=names[0], aliases=names[1:], tool_call_parser=args.tool_call_parser,
                             reasoning_parser=args.reasoning_parser, api_key=args.api_key,
-                            max_request_bytes=args.max_request_bytes, async_engine=async_engine, metrics=metrics)
+                            max_request_bytes=args.max_request_bytes, async_engine=async_engine, metrics=metrics,
+                            media_limits=media_limits(args))
             gate.open(app, async_engine, engine)
             threading.Thread(target=watch_ranks, args=(monitor, async_engine), name="qnext-rank-watch",
                              daemon=True).start()

@@ -44,6 +44,28 @@ def _text(content: Any, param: str) -> str:
     return "\n".join(texts)
 
 
+def _content(content: Any, param: str) -> str | list[dict]:
+    """A user message's or a tool output's content: text, or OpenAI chat parts when it holds `input_image` parts
+    (image_url a data URL, or http(s) where the server fetches them)."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                for p in content):
+        return _text(content, param)
+    parts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            url = part.get("image_url")
+            _require(isinstance(url, str), f"{param}[{i}].image_url must be a URL string (a data: URL); file_id "
+                     "images are not stored on this server", f"{param}.{i}.image_url")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        elif kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            raise bad_request(f"{param}[{i}] is a {kind!r} part; this server reads input_text and input_image "
+                              "parts", f"{param}.{i}")
+    return parts
+
+
 def freeform_function(tool: dict) -> dict:
     """A Codex `custom` tool as a function whose one string argument is the tool's free-text input."""
     description = tool.get("description") or ""
@@ -117,7 +139,7 @@ class _Conversation:
             self._reasoning = []
         return last
 
-    def message(self, role: str, text: str) -> None:
+    def message(self, role: str, text: str | list[dict]) -> None:
         if role in ("system", "developer"):
             self.system.append(text)
         elif role == "assistant":
@@ -133,7 +155,7 @@ class _Conversation:
         self._assistant().setdefault("tool_calls", []).append(
             {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
 
-    def output(self, call_id: str, text: str) -> None:
+    def output(self, call_id: str, text: str | list[dict]) -> None:
         self.messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
 
     def reasoning(self, text: str) -> None:
@@ -157,7 +179,8 @@ def add_items(conversation: _Conversation, items: Any) -> None:
             role = item.get("role")
             _require(role in ("user", "assistant", "system", "developer"),
                      f"{where}.role must be user, assistant, system or developer, got {role!r}", f"{where}.role")
-            conversation.message(role, _text(item.get("content"), f"{where}.content"))
+            read = _content if role == "user" else _text
+            conversation.message(role, read(item.get("content"), f"{where}.content"))
         elif kind in ("function_call", "custom_tool_call"):
             _require(isinstance(item.get("call_id"), str) and isinstance(item.get("name"), str),
                      f"{where} needs a string call_id and name", where)
@@ -168,7 +191,7 @@ def add_items(conversation: _Conversation, items: Any) -> None:
             conversation.call(item["call_id"], item["name"], arguments)
         elif kind in ("function_call_output", "custom_tool_call_output"):
             _require(isinstance(item.get("call_id"), str), f"{where}.call_id must be a string", f"{where}.call_id")
-            conversation.output(item["call_id"], _text(item.get("output"), f"{where}.output"))
+            conversation.output(item["call_id"], _content(item.get("output"), f"{where}.output"))
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
             text = _text(parts, f"{where}.content")

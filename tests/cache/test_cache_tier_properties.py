@@ -8,7 +8,8 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from cache import CacheConfig, CacheManager, block_hashes, hash_block_tokens
 from cache.tiers import HOST
-from tests.support.cache_machine import BS, CacheMachine, Seq, parent_blind_hash
+from tests.support.cache_machine import (BS, CacheMachine, Seq, image_spans, image_tokens, parent_blind_hash,
+                                         token_ids, whole_images)
 
 
 class TieredCacheMachine(CacheMachine):
@@ -47,13 +48,15 @@ class TieredCacheMachine(CacheMachine):
     # ---- rules ------------------------------------------------------------------------------------------------------
     def _stem(self, base, cut):
         stems = self.history + [tuple(s.tokens) for s in self.seqs.values()]
-        return list(stems[base % len(stems)][:cut])
+        return whole_images(stems[base % len(stems)][:cut])
 
     @rule(requests=st.lists(st.tuples(st.integers(0, 1000), st.one_of(st.just(99), st.integers(0, 12)),
-                                      st.lists(st.integers(0, 2), max_size=7), st.booleans()), min_size=1, max_size=3))
+                                      st.lists(st.integers(0, 2), max_size=7), st.booleans(),
+                                      st.one_of(st.none(), st.integers(0, 2))), min_size=1, max_size=3))
     def admit_several(self, requests):
         """Several admissions in one schedule (some rolled back at once), their copies run together."""
-        self._admit_batch([(self._stem(base, cut) + ext, roll_back) for base, cut, ext, roll_back in requests])
+        self._admit_batch([(self._stem(base, cut) + (image_tokens(image) if image is not None else []) + ext,
+                            roll_back) for base, cut, ext, roll_back, image in requests])
 
     @precondition(lambda self: len(self.m.tier.blocks))
     @rule(pick=st.integers(0, 1000), ext=st.lists(st.integers(0, 2), max_size=3), roll_back=st.booleans())
@@ -61,7 +64,7 @@ class TieredCacheMachine(CacheMachine):
         """A prompt through a block held in the host tier (what it really holds), plus a few tokens."""
         self._run_transfers()
         entries = sorted(self.m.tier.blocks.entries(), key=lambda e: e.uid)
-        self._admit_batch([(list(self.host_kv[entries[pick % len(entries)].slot]) + ext, roll_back)])
+        self._admit_batch([(whole_images(self.host_kv[entries[pick % len(entries)].slot]) + ext, roll_back)])
 
     def _admit_batch(self, prompts):
         admitted = []
@@ -71,11 +74,11 @@ class TieredCacheMachine(CacheMachine):
                 self.free(0)
             sid = self.next_id
             self.next_id += 1
-            adm = self.m.admit(sid, prompt)
+            adm = self.admit_prompt(sid, prompt)
             if adm is None:
                 continue
             if roll_back:
-                self.m.free(sid, prompt, adm.num_cached_tokens)
+                self.m.free(sid, token_ids(prompt), adm.num_cached_tokens)
             else:
                 self.seqs[sid] = Seq(prompt, adm)
                 admitted.append((sid, prompt, adm))
@@ -113,8 +116,8 @@ class TieredCacheMachine(CacheMachine):
             event("device evicted")
         for e in tier.blocks.entries():   # a host block really holds the prefix its hash names, under a resident parent
             prefix = self.host_kv[e.slot]
-            assert len(prefix) % BS == 0 and prefix[-BS:] == e.token_ids
-            assert block_hashes(prefix, BS, self.hash_fn)[-1] == e.hash
+            assert len(prefix) % BS == 0 and tuple(token_ids(prefix[-BS:])) == tuple(e.token_ids)
+            assert block_hashes(token_ids(prefix), BS, self.hash_fn, image_spans(prefix))[-1] == e.hash
             if e.parent_uid is None:
                 assert len(prefix) == BS
             else:

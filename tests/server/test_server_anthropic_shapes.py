@@ -28,6 +28,9 @@ def test_history_with_thinking_tool_use_and_results():
                     {"type": "tool_result", "tool_use_id": "toolu_2", "content": "no such city", "is_error": True},
                     {"type": "tool_result", "tool_use_id": "toolu_3", "content": [
                         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]},
+                    {"type": "tool_result", "tool_use_id": "toolu_4", "content": [
+                        {"type": "document", "source": {"type": "base64", "media_type": "application/pdf",
+                                                        "data": "AA=="}}]},
                     {"type": "text", "text": "And tomorrow?", "cache_control": {"type": "ephemeral"}}]}],
             "tools": [{"name": "weather", "description": "Weather now", "cache_control": {"type": "ephemeral"},
                        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}],
@@ -43,7 +46,9 @@ def test_history_with_thinking_tool_use_and_results():
                          "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
         {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: no such city"},
-        {"role": "tool", "tool_call_id": "toolu_3", "content": "[image omitted: this model reads text only]"},
+        {"role": "tool", "tool_call_id": "toolu_3",           # the image travels as an OpenAI image_url part
+         "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]},
+        {"role": "tool", "tool_call_id": "toolu_4", "content": "[document omitted: this server reads no documents]"},
         {"role": "user", "content": "And tomorrow?"}]
     assert inputs.tools == [{"type": "function", "function": {
         "name": "weather", "description": "Weather now",
@@ -71,8 +76,10 @@ def test_tool_choice(choice, expected):
     ({"max_tokens": 0, "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
     ({"max_tokens": 5, "messages": []}, "messages"),
     ({"max_tokens": 5, "messages": [{"role": "tool", "content": "hi"}]}, "messages.0.role"),
-    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
      "messages.0.content.0"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "messages.0.content.0.source"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
       "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "any"}},

@@ -68,7 +68,9 @@ def test_codex_first_request_translates():
     ({"input": [{"type": "local_shell_call", "call_id": "x"}]}, "input.0.type"),
     ({"input": "hi", "tools": [{"type": "file_search"}]}, "tools.0.type"),
     ({"input": "hi", "tool_choice": {"type": "web_search"}}, "tool_choice"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]}, "input.0.content.0"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "x"}]}]},
+     "input.0.content.0.image_url"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({}, "input"),
 ])

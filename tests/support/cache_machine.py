@@ -1,15 +1,44 @@
 """The cache under random interleavings of admit / step (prefill, capture, decode) / finish / abort / evict / clear
 against a simulated device that records what every KV block and state row really holds (a hypothesis state
 machine). tests/cache/test_cache_properties.py runs it; tests/cache/test_cache_tier_properties.py extends it with a
-host tier."""
+host tier.
+
+Prompts may hold images: a token is an int, or an image placeholder (PAD, content hash, index in the image, image
+length), so the simulated device knows which picture every block and state really saw. The manager gets the ids
+and the spans; a stale image (the same ids, another picture) matched or restored fails the invariants."""
+import hashlib
 from collections import Counter
 
 from hypothesis import event, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from cache import CacheConfig, CacheManager, block_hashes, hash_block_tokens
+from cache.image_keys import ImageSpan
 
 BS = 2
+VISION_START, VISION_END, PAD = 3, 4, 5
+
+
+def image_tokens(image: int) -> list[tuple]:
+    """Picture `image`'s placeholder tokens (its size is part of its content: 2 + image tokens)."""
+    digest, n = hashlib.sha256(bytes([image])).digest(), 2 + image
+    return [VISION_START] + [(PAD, digest, i, n) for i in range(n)] + [VISION_END]
+
+
+def token_ids(tokens) -> list[int]:
+    return [t if isinstance(t, int) else t[0] for t in tokens]
+
+
+def image_spans(tokens) -> list[ImageSpan]:
+    return [ImageSpan(p, t[3], t[1]) for p, t in enumerate(tokens) if not isinstance(t, int) and t[2] == 0]
+
+
+def whole_images(tokens) -> list:
+    """tokens without a trailing image cut short (a prompt holds whole pictures)."""
+    tokens = list(tokens)
+    if tokens and not isinstance(tokens[-1], int) and tokens[-1][2] != tokens[-1][3] - 1:
+        del tokens[len(tokens) - 1 - tokens[-1][2]:]
+    return tokens
 
 
 def parent_blind_hash(parent_hash, token_ids):
@@ -38,6 +67,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.state = {}   # snapshot row -> token prefix whose state the row really holds
         self.next_id = 0
 
+    def admit_prompt(self, sid, prompt):
+        return self.m.admit(sid, token_ids(prompt), images=image_spans(prompt))
+
     # ---- simulated device -------------------------------------------------------------------------------------------
     def _write_kv(self, sid, start, end):
         s = self.seqs[sid]
@@ -46,18 +78,18 @@ class CacheMachine(RuleBasedStateMachine):
 
     # ---- rules ------------------------------------------------------------------------------------------------------
     @rule(base=st.integers(0, 1000), cut=st.one_of(st.just(99), st.integers(0, 12)),
-          ext=st.lists(st.integers(0, 2), max_size=7))
-    def admit(self, base, cut, ext):
+          ext=st.lists(st.integers(0, 2), max_size=7), image=st.one_of(st.none(), st.integers(0, 2)))
+    def admit(self, base, cut, ext, image):
         stems = self.history + [tuple(s.tokens) for s in self.seqs.values()]
         stem = stems[base % len(stems)]
-        prompt = list(stem[:cut]) + ext
+        prompt = whole_images(stem[:cut]) + (image_tokens(image) if image is not None else []) + ext
         if not prompt:
             prompt = [0]
         if not self.m.num_free_slots:  # keep requests flowing: finish the oldest one
             self.free(0)
         sid = self.next_id
         self.next_id += 1
-        adm = self.m.admit(sid, prompt)
+        adm = self.admit_prompt(sid, prompt)
         if adm is None:
             return
         n, c = len(prompt), adm.num_cached_tokens
@@ -67,6 +99,8 @@ class CacheMachine(RuleBasedStateMachine):
             assert self.kv.get(adm.block_table[i]) == tuple(prompt[:(i + 1) * BS])
         if c:
             event("prefix hit")
+            if any(span.start < c for span in image_spans(prompt)):
+                event("prefix hit through an image")
         if c and self.cfg.hybrid:
             event("state restored")
             assert self.state[adm.restore_row] == tuple(prompt[:c])
@@ -91,7 +125,7 @@ class CacheMachine(RuleBasedStateMachine):
             s.computed = end
             if row is not None:
                 self.state[row] = tuple(s.tokens[:end])
-            self.m.commit(sid, s.tokens, s.computed)
+            self.m.commit(sid, token_ids(s.tokens), s.computed)
             if s.computed == s.prompt_len:
                 s.tokens.append(tok)  # sampled from the last prompt token's logits
             return
@@ -104,7 +138,7 @@ class CacheMachine(RuleBasedStateMachine):
         s.computed += 1
         if row is not None:
             self.state[row] = tuple(s.tokens[:s.computed])
-        self.m.commit(sid, s.tokens, s.computed)
+        self.m.commit(sid, token_ids(s.tokens), s.computed)
         s.tokens.append(tok)
 
     @precondition(lambda self: self.seqs)
@@ -119,7 +153,7 @@ class CacheMachine(RuleBasedStateMachine):
     def free(self, pick):
         sid = sorted(self.seqs)[pick % len(self.seqs)]
         s = self.seqs.pop(sid)
-        self.m.free(sid, s.tokens, s.computed)
+        self.m.free(sid, token_ids(s.tokens), s.computed)
         self.history.append(tuple(s.tokens))
 
     @rule(n=st.integers(0, 5))
@@ -155,8 +189,9 @@ class CacheMachine(RuleBasedStateMachine):
         for h, b in pool._by_hash.items():  # a cached block really holds the prefix its hash names
             assert pool.block_hash(b) == h
             prefix = self.kv[b]
-            assert len(prefix) % BS == 0 and block_hashes(prefix, BS, self.hash_fn)[-1] == h
-            assert pool.block_tokens(b) == prefix[-BS:]
+            assert len(prefix) % BS == 0 and block_hashes(token_ids(prefix), BS, self.hash_fn,
+                                                          image_spans(prefix))[-1] == h
+            assert pool.block_tokens(b) == tuple(token_ids(prefix[-BS:]))
             assert pool._blocks[b].protected == (b in self.m.registry.mamba_prefix_hashes_by_block)
             parent = pool.parent_of(b)
             assert self.kv[parent] == prefix[:-BS] if parent is not None else len(prefix) == BS
@@ -196,7 +231,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def teardown(self):
         for sid, s in list(self.seqs.items()):
-            self.m.free(sid, s.tokens, s.computed)
+            self.m.free(sid, token_ids(s.tokens), s.computed)
         self.seqs.clear()
         self.blocks_exact()
         self.snapshots_exact()

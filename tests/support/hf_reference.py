@@ -15,22 +15,24 @@ MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, share
 FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 
-def build_hf_model(family: str, seed: int = 0, **overrides):
+def build_hf_model(family: str, seed: int = 0, rope: dict | None = None, **overrides):
+    """`rope`: the rope_parameters (default ROPE; Qwen3.5 families add their MRoPE fields)."""
     import torch
     import transformers as tf
 
     torch.manual_seed(seed)
     kw = dict(SHARED, **overrides)
+    rope = dict(rope or ROPE)
     if family == "qwen3_next":
-        cfg = tf.Qwen3NextConfig(**kw, intermediate_size=96, rope_parameters=dict(ROPE), mlp_only_layers=[2],
+        cfg = tf.Qwen3NextConfig(**kw, intermediate_size=96, rope_parameters=rope, mlp_only_layers=[2],
                                  norm_topk_prob=False, **MOE)
         model = tf.Qwen3NextForCausalLM(cfg)
     elif family == "qwen3_5":
         cfg = tf.Qwen3_5TextConfig(**kw, intermediate_size=96,
-                                   rope_parameters=dict(ROPE, mrope_section=[2, 1, 1], mrope_interleaved=True))
+                                   rope_parameters=dict(rope, mrope_section=[2, 1, 1], mrope_interleaved=True))
         model = tf.Qwen3_5ForCausalLM(cfg)
     elif family == "qwen3_5_moe":
-        cfg = tf.Qwen3_5MoeTextConfig(**kw, rope_parameters=dict(ROPE, mrope_section=[2, 1, 1],
+        cfg = tf.Qwen3_5MoeTextConfig(**kw, rope_parameters=dict(rope, mrope_section=[2, 1, 1],
                                                                  mrope_interleaved=True), **MOE)
         model = tf.Qwen3_5MoeForCausalLM(cfg)
     else:

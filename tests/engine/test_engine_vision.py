@@ -1,0 +1,115 @@
+"""Requests with pictures through the engine: the cache keys on each picture (another picture reuses only the text
+before it and answers differently; the same picture reuses the whole prefix and answers as a cold run), the tower
+runs once per picture, a growing chat reuses the previous turns, text-only traffic hits as without a tower, and a
+picture split over several prefill steps gives the one-step result."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import qnext
+from qnext import SamplingParams
+from tests.support.vision_checkpoint import picture, without_tower, write_vision_checkpoint
+
+BS = 16
+ENGINE = dict(max_num_seqs=2, max_num_batched_tokens=128, max_model_len=512, block_size=BS,
+              num_gpu_blocks_override=64, max_num_snapshots=16)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
+VS, VE, PAD = 502, 503, 500       # the tiny checkpoint's vision_start, vision_end, image pad ids
+
+
+def image_prompt(text: list[int], images: list, tail: list[int], tokens_per_image: int = 16) -> dict:
+    ids = list(text)
+    for _ in images:
+        ids += [VS] + [PAD] * tokens_per_image + [VE] + tail
+    return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+
+
+def logprobs(out) -> np.ndarray:
+    return np.array([next(iter(entry.values())).logprob for entry in out.outputs[0].logprobs])
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    vlm = write_vision_checkpoint(tmp_path_factory.mktemp("vlm"), seed=3)
+    return vlm, without_tower(vlm, tmp_path_factory.mktemp("text"))
+
+
+@pytest.fixture(scope="module")
+def llm(paths):
+    return qnext.LLM(paths[0], **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def cold_split_llm(paths):
+    """No prefix cache and a 24-token step budget: every prompt cold, every picture split over prefill steps."""
+    return qnext.LLM(paths[0], **dict(ENGINE, enable_prefix_caching=False, max_num_batched_tokens=24))
+
+
+@pytest.fixture(scope="module")
+def text_llm(paths):
+    text_llm = qnext.LLM(paths[1], **ENGINE)
+    assert text_llm.engine.vision is None
+    return text_llm
+
+
+def test_other_picture_reuses_only_the_text_and_answers_differently(llm):
+    text = list(range(10, 50))                         # 40 tokens: <|vision_start|> at 40, boundary 32
+    first = llm.generate(image_prompt(text, [picture(1)], [60, 61, 62]), GREEDY)[0]
+    other = llm.generate(image_prompt(text, [picture(2)], [60, 61, 62]), GREEDY)[0]
+    assert other.num_cached_tokens == 32
+    assert first.outputs[0].token_ids != other.outputs[0].token_ids or \
+        np.abs(logprobs(first) - logprobs(other)).max() > 1e-3
+
+
+def test_same_picture_reuses_the_whole_prefix_and_answers_as_cold(llm, cold_split_llm):
+    prompt = image_prompt(list(range(100, 137)), [picture(5, 48, 32)], [70, 71, 72], tokens_per_image=24)
+    runs_before = llm.engine.stats.num_tower_runs
+    cold = cold_split_llm.generate(prompt, GREEDY)[0]
+    llm.generate(prompt, GREEDY)
+    warm = llm.generate(prompt, GREEDY)[0]
+    n = len(prompt["prompt_token_ids"])
+    assert warm.num_cached_tokens == (n - 1) // BS * BS
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    np.testing.assert_allclose(logprobs(warm), logprobs(cold), atol=1e-5)
+    assert llm.engine.stats.num_tower_runs == runs_before + 1   # the second run read the cache
+
+
+def test_growing_chat_with_two_pictures_a_turn_reuses_the_previous_prompt(llm):
+    ids, images = [], []
+    previous_len = 0
+    for turn in range(3):
+        images += [picture(20 + 2 * turn), picture(21 + 2 * turn)]
+        ids += list(range(200 + turn, 210 + turn))
+        for _ in range(2):
+            ids += [VS] + [PAD] * 16 + [VE]
+        ids += [5, 6, 7]
+        out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": list(images)}}, GREEDY)[0]
+        if turn:
+            assert out.num_cached_tokens >= previous_len - BS
+        ids = ids + list(out.outputs[0].token_ids)
+        previous_len = len(ids)
+
+
+def test_text_only_traffic_hits_as_without_a_tower(llm, text_llm):
+    rng = np.random.default_rng(0)
+    base = rng.integers(10, 400, 70).tolist()
+    prompts = [{"prompt_token_ids": base + rng.integers(10, 400, k).tolist()} for k in (3, 20, 35)]
+    cached = []
+    for engine in (llm, text_llm):
+        engine.engine.cache.manager.clear_prefix_cache()
+        cached.append([engine.generate(p, GREEDY)[0].num_cached_tokens for p in prompts])
+    assert cached[0] == cached[1] and sum(cached[0]) > 0
+
+
+def test_a_picture_split_over_prefill_steps_gives_the_one_step_result(llm, cold_split_llm):
+    prompt = image_prompt([7, 8, 9], [picture(9, 64, 64)], [11, 12], tokens_per_image=64)
+    one_step = llm.generate(prompt, GREEDY)[0]
+    split = cold_split_llm.generate(prompt, GREEDY)[0]
+    assert split.outputs[0].token_ids == one_step.outputs[0].token_ids
+    np.testing.assert_allclose(logprobs(split), logprobs(one_step), atol=1e-4)
+
+
+def test_text_only_checkpoint_refuses_a_picture_saying_why(text_llm):
+    with pytest.raises(ValueError, match="no vision tower"):
+        text_llm.generate(image_prompt([1, 2, 3], [picture(1)], [4]), GREEDY)
