@@ -6,14 +6,9 @@ Tolerance: max |CP - sequential| <= 2e-5 on layer outputs of magnitude ~1 (float
 reorder sums of the scan), and <= 1e-4 relative on the end state carried in from a nonzero initial state."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.host_device_script import run_on_host_devices
 
 _SCRIPT = textwrap.dedent("""
     import json, sys
@@ -69,12 +64,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_context_parallel_deltanet_equals_sequential_on_2_and_4_devices(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_on_host_devices(_SCRIPT, 4, str(tmp_path), timeout=600)
     assert out["devices"] == 4
     for family in ("qwen3_5", "qwen3_next"):
         for n in (2, 4):

@@ -4,16 +4,11 @@ On CPU the weights are dequantised at load, before they are sharded, so no 128-b
 One subprocess started with 8 CPU devices runs every engine (the flag must be set before JAX starts)."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.host_device_script import run_on_host_devices
 
 _SCRIPT = textwrap.dedent("""
     import json, sys
@@ -45,12 +40,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_fp8_checkpoint_over_two_and_eight_devices_matches_one(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_on_host_devices(_SCRIPT, 8, str(tmp_path), timeout=900)
     for tp in ("2", "8"):
         assert out[tp]["tokens"] == out["1"]["tokens"], tp
         # the all-reduce adds partial sums in another order than one device's dot: float32 rounding only

@@ -4,19 +4,15 @@ The engines run in a subprocess started with two CPU devices (the flag must be s
 process has one)."""
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from qnext.model.tensor_parallel import _device_major, local_config, make_mesh, replicate_heads, sharded_model_config
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.host_device_script import run_on_host_devices
 
 _SCRIPT = textwrap.dedent("""
     import json, sys
@@ -58,12 +54,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_two_devices_match_one(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_on_host_devices(_SCRIPT, 2, str(tmp_path), timeout=900)
     for family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
         one, two = out[f"{family}/1"], out[f"{family}/2"]
         assert two["tokens"] == one["tokens"], family
