@@ -1,5 +1,5 @@
 """MTP speculative decoding in the engine (speculative_config): greedy tokens equal plain decoding's on the three
-families at batch 1 and 8, with the prefix cache on (a second turn served from it), under preemption and with the
+families (batch 1 and 8 on Qwen3.5, 4 on the others), with the prefix cache on (a second turn served from it), under preemption and with the
 host tier; drafts forced all accepted and all rejected give plain decoding's tokens too; sampled rows run; the
 server over an MTP engine answers the openai SDK with plain decoding's text; and the options that cannot combine
 with it are refused."""
@@ -45,11 +45,13 @@ def second_turn(first, outputs) -> list[dict]:
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
-def test_greedy_equals_plain_at_batch_1_and_8_with_a_cached_second_turn(family, tmp_path_factory):
+def test_greedy_equals_plain_with_a_cached_second_turn(family, tmp_path_factory):
     path = with_mtp_head(tmp_path_factory, family)
     plain = LLM(path, **OPTIONS)
     spec = LLM(path, speculative_config=SPEC, **OPTIONS)
-    for batch in (prompts(1), prompts(8, offset=50)):
+    # batch 1 and 8 on Qwen3.5; one batch of 4 on the other families (each batch shape compiles anew)
+    batches = (prompts(1), prompts(8, offset=50)) if family == "qwen3_5" else (prompts(4, offset=50),)
+    for batch in batches:
         want, got = plain.generate(batch, GREEDY), spec.generate(batch, GREEDY)
         assert tokens(got) == tokens(want)
         turn = second_turn(batch, got)
