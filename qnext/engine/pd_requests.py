@@ -2,6 +2,9 @@
 that ran a prompt, and the decode side's intake of a request whose prompt was computed elsewhere."""
 from __future__ import annotations
 
+import threading
+import time
+
 from cache import CacheManager
 from cache.hashing import block_hashes
 from cache.device_buffers import CacheBuffers
@@ -14,11 +17,14 @@ from qnext.engine.sequence import Sequence
 
 
 class PrefillExports:
-    """The bundles of a prefill engine's requests, from the step that ran their prompts until they are taken."""
+    """The bundles of a prefill engine's requests, from the step that ran their prompts until they are taken
+    (any thread may take one); a bundle nobody took within `ttl_s` is dropped at the next export."""
 
-    def __init__(self, cfg: ModelConfig, tp: int, block_size: int, kv_cache_scale: float):
+    def __init__(self, cfg: ModelConfig, tp: int, block_size: int, kv_cache_scale: float, ttl_s: float = 300.0):
         self.cfg, self.tp, self.block_size, self.kv_cache_scale = cfg, tp, block_size, float(kv_cache_scale)
-        self._bundles: dict[str, PrefillBundle] = {}
+        self.ttl_s = ttl_s
+        self._bundles: dict[str, tuple[float, PrefillBundle]] = {}
+        self._lock = threading.Lock()
 
     def layout(self, buffers: CacheBuffers) -> dict:
         return cache_layout_meta(self.cfg, buffers, self.block_size, self.kv_cache_scale)
@@ -30,15 +36,25 @@ class PrefillExports:
             return
         buffers = manager.buffers
         layout = self.layout(buffers)
-        for seq, table, row, token in scheduler.prefilled:
-            self._bundles[seq.request_id] = export_prefill(
-                buffers, self.cfg, self.tp, layout, seq.request_id, seq.prompt_token_ids,
-                block_hashes(seq.prompt_token_ids, self.block_size, manager.block_hash_fn), table, row, token,
-                (seq.finish_reason, seq.stop_reason))
+        now = time.monotonic()
+        bundles = {seq.request_id: (now, export_prefill(
+            buffers, self.cfg, self.tp, layout, seq.request_id, seq.prompt_token_ids,
+            block_hashes(seq.prompt_token_ids, self.block_size, manager.block_hash_fn), table, row, token,
+            (seq.finish_reason, seq.stop_reason))) for seq, table, row, token in scheduler.prefilled}
         scheduler.prefilled = []
+        with self._lock:
+            self._bundles = {rid: b for rid, b in self._bundles.items() if now - b[0] < self.ttl_s}
+            self._bundles.update(bundles)
+
+    def get(self, request_id: str) -> PrefillBundle | None:
+        with self._lock:
+            entry = self._bundles.get(request_id)
+        return None if entry is None else entry[1]
 
     def take(self, request_id: str) -> PrefillBundle | None:
-        return self._bundles.pop(request_id, None)
+        with self._lock:
+            entry = self._bundles.pop(request_id, None)
+        return None if entry is None else entry[1]
 
 
 def transferred_sequence(seq: Sequence, source: BundleSource, cache: EngineCache, cfg: ModelConfig, tp: int,

@@ -1,0 +1,120 @@
+"""Prefill/decode disaggregation over processes on loopback (docs/scale.md): `qnext serve --pd-role prefill`,
+`qnext serve --pd-role decode` and `qnext pd-router` give the openai client what one process gives (chat, the chat
+streamed, a forced tool call), with the prompt computed by the prefill server and its KV and state pulled through
+JAX's transfer server; the decode server reports the whole prompt cached, and its second look at a prompt moves
+only the partial last block and the state."""
+from __future__ import annotations
+
+import contextlib
+import json
+
+import httpx
+import openai
+import pytest
+
+from qnext.server.launch import ServerProcess
+from qnext.testing.tiny_checkpoint import write_tiny_checkpoint
+
+MODEL = "tiny"
+OPTIONS = ["--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--block-size", "16"]
+ENV = {"JAX_PLATFORMS": "cpu"}
+START_S = 300
+GREEDY = {"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}}
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                   "required": ["city"], "additionalProperties": False}}}
+MESSAGES = [{"role": "system", "content": "You answer briefly, in one short sentence about the sea and the sky."},
+            {"role": "user", "content": "Weather in Oslo?"}]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("pd") / "ckpt", "qwen3_5", seed=1, tokenizer="qwen3.5",
+                                 max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def servers(checkpoint, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("pd_logs")
+    with contextlib.ExitStack() as stack:
+        started = {}
+        for role in ("prefill", "decode"):
+            proc = ServerProcess([str(checkpoint), "--served-model-name", MODEL, *OPTIONS, "--no-warm-up",
+                                  "--log-level", "warning", "--pd-role", role], log_path=logs / f"{role}.log",
+                                 env=ENV)
+            stack.callback(proc.stop)
+            started[role] = proc
+        for proc in started.values():
+            proc.wait_healthy(START_S)
+        router = ServerProcess(["pd-router", "--prefill", started["prefill"].base_url, "--decode",
+                                started["decode"].base_url, "--log-level", "warning"], log_path=logs / "router.log",
+                               env=ENV)
+        stack.callback(router.stop)
+        router.wait_healthy(60)
+        yield {**started, "router": router}
+
+
+@pytest.fixture(scope="module")
+def one_process(checkpoint):
+    import qnext
+    from qnext.server.app import build_app
+    from qnext.testing.inprocess_server import serve_in_thread
+
+    llm = qnext.LLM(str(checkpoint), max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64, block_size=16)
+    with serve_in_thread(build_app(llm.engine, model_name=MODEL)) as base_url:
+        yield base_url
+
+
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def answers(base_url: str) -> dict:
+    c = client(base_url)
+    chat = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, extra_body=GREEDY)
+    stream = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, stream=True,
+                                       extra_body=GREEDY)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    tool = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
+                                     tools=[WEATHER_TOOL], tool_choice="required", extra_body=GREEDY).choices[0]
+    return {"chat": chat.choices[0].message.content, "usage": chat.usage.completion_tokens, "streamed": streamed,
+            "tool_calls": [(t.function.name, json.loads(t.function.arguments)) for t in tool.message.tool_calls or []],
+            "cached": chat.usage.prompt_tokens_details.cached_tokens, "prompt": chat.usage.prompt_tokens}
+
+
+def metric(base_url: str, name: str) -> float:
+    for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} is not in {base_url}/metrics")
+
+
+def test_router_over_prefill_and_decode_equals_one_process(servers, one_process):
+    expected = answers(one_process)
+    served = answers(servers["router"].base_url)
+    assert expected["usage"] == 12 and expected["chat"] and expected["tool_calls"], expected
+    for key in ("chat", "usage", "streamed", "tool_calls"):
+        assert served[key] == expected[key], key
+    # the decode server computed none of the prompt: every token came from the prefill server or its own cache
+    assert served["cached"] == served["prompt"]
+    assert metric(servers["prefill"].base_url, "qnext:request_success_total") >= 3
+
+
+def test_the_prefill_server_answers_prefilled_and_offers_its_bundle_once(servers):
+    rid = "pd-test-bundle"
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "temperature": 0, **GREEDY}
+    answer = httpx.post(servers["prefill"].base_url + "/v1/chat/completions", json=body, timeout=60,
+                        headers={"x-qnext-pd": json.dumps({"request_id": rid})}).json()
+    assert answer["choices"][0]["finish_reason"] == "prefilled" and answer["usage"]["completion_tokens"] == 1
+    meta = httpx.get(f"{servers['prefill'].base_url}/pd/bundles/{rid}", timeout=10).json()
+    assert meta["finish_reason"] == "prefilled" and meta["num_blocks"] == -(-len(meta["prompt_token_ids"]) // 16)
+    pull = httpx.post(f"{servers['prefill'].base_url}/pd/bundles/{rid}/pull", timeout=10,
+                      json={"first_block": meta["num_blocks"], "num_kv_layers": 1})
+    assert pull.status_code == 200 and {name.split(".")[0] for name, _, _ in pull.json()["arrays"]} == {
+        "conv", "recurrent"}                      # every block held: only the state is offered
+    again = httpx.get(f"{servers['prefill'].base_url}/pd/bundles/{rid}", timeout=10)
+    assert again.status_code == 404 and "already pulled" in again.text
+    bad = httpx.post(servers["decode"].base_url + "/v1/chat/completions", json=body, timeout=60,
+                     headers={"x-qnext-pd": "not json"})
+    assert bad.status_code == 400 and "x-qnext-pd" in bad.text
