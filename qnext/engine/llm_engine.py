@@ -220,6 +220,9 @@ class LLMEngine:
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         self.stats.num_prompt_tokens += len(seq.prompt_token_ids)
+        self.stats.num_transferred_requests += 1
+        self.stats.transfer_bytes += seq.transferred.bytes_moved
+        self.stats.transfer_min_bytes += seq.transferred.min_bytes
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Aborts every unfinished sample of the request; None if it is unknown or finished."""
