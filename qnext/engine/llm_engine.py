@@ -194,7 +194,7 @@ class LLMEngine:
         "prefilled", unless that token really ends it) and leaves a PrefillBundle for `take_prefill_bundle`."""
         self.add_request(request_id, prompt, params)
         seq = self.requests[request_id]
-        if seq.params.n != 1 or seq.visuals is not None:
+        if seq.group is not None or seq.visuals is not None:
             self.abort_request(request_id)
             self.release(request_id)
             raise ValueError("prefill/decode disaggregation takes text prompts with n=1")

@@ -63,7 +63,7 @@ def transferred_sequence(seq: Sequence, source: BundleSource, cache: EngineCache
     against it, holds the leading blocks this cache has, fetches the rest and the state, appends the first token
     (its stop check, detokenizer, grammar and logprobs as if sampled here)."""
     meta = source.meta
-    if seq.params.n != 1 or seq.visuals is not None:
+    if seq.group is not None or seq.visuals is not None:
         raise ValueError("prefill/decode disaggregation takes text prompts with n=1")
     if list(meta["prompt_token_ids"]) != seq.prompt_token_ids:
         raise ValueError(f"the prefill engine's prompt ({len(meta['prompt_token_ids'])} tokens) is not this "

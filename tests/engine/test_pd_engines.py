@@ -149,3 +149,32 @@ def test_canonical_layout_undoes_device_major_conv_channels_and_replicated_heads
     np.testing.assert_array_equal(wide, pages[[0, 0, 1, 1]])
     np.testing.assert_array_equal(kv_to_canonical(wide, cfg, 4), pages)
     np.testing.assert_array_equal(kv_from_canonical(pages, cfg, 2), pages)
+
+
+def test_refusals_say_why_and_an_aborted_transfer_releases_its_blocks(tiny_checkpoint):
+    import dataclasses
+
+    from qnext import SamplingParams
+    from qnext.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(tiny_checkpoint("qwen3_5"), max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128,
+                       block_size=16, num_gpu_blocks_override=32)
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(3, 40))}
+    with pytest.raises(ValueError, match="n=1"):
+        engine.add_prefill_request("two", prompt, SamplingParams(n=2, max_tokens=3))
+    engine.add_prefill_request("a", prompt, greedy)
+    while engine.has_unfinished_requests():
+        engine.step()
+    bundle = engine.take_prefill_bundle("a")
+    assert engine.take_prefill_bundle("a") is None                     # taken once
+    with pytest.raises(ValueError, match="is not this request's"):
+        engine.add_transferred_request("b", {"prompt_token_ids": list(range(4, 41))}, greedy, bundle)
+    other = dataclasses.replace(bundle, meta={**bundle.meta, "layout": {**bundle.meta["layout"], "block_size": 8}})
+    with pytest.raises(ValueError, match="block_size=8"):
+        engine.add_transferred_request("b", prompt, greedy, other)
+    free = engine.cache.manager.num_free_blocks
+    engine.add_transferred_request("b", prompt, greedy, bundle)        # holds its 2 cached full blocks
+    assert engine.cache.manager.num_free_blocks == free - 2
+    engine.abort_request("b")
+    assert engine.cache.manager.num_free_blocks == free
