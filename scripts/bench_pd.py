@@ -29,7 +29,7 @@ def counters(base_url: str) -> dict[str, float]:
     out = {}
     for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines():
         if line.startswith("qnext:") and " " in line:
-            name = line.split("{")[0].split(" ")[0]
+            name = line.split("{")[0].split(" ")[0].removesuffix("_total")
             out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
@@ -66,6 +66,8 @@ def main(argv=None) -> int:
         summary["decode_transferred_tokens"] = moved
         summary["transfer_bytes_per_request"] = delta.get("qnext:pd_transfer_bytes", 0.0) / max(
             1.0, delta.get("qnext:pd_transferred_requests", 0.0))
+        summary["transfer_ms_per_request"] = 1000 * delta.get("qnext:pd_transfer_seconds", 0.0) / max(
+            1.0, delta.get("qnext:pd_transferred_requests", 0.0))
         summary["transfer_min_bytes_per_request"] = delta.get("qnext:pd_transfer_min_bytes", 0.0) / max(
             1.0, delta.get("qnext:pd_transferred_requests", 0.0))
         summaries.append(summary)
@@ -74,7 +76,8 @@ def main(argv=None) -> int:
     print(f"decode side: {pd['decode_own_cache_share']:.1%} of the prompt tokens it did not compute came from its own "
           f"prefix cache, {pd['decode_transferred_tokens']:.0f} tokens' KV from the prefill server; "
           f"{pd['transfer_bytes_per_request'] / 1024:.1f} KiB moved per request (minimum "
-          f"{pd['transfer_min_bytes_per_request'] / 1024:.1f} KiB)")
+          f"{pd['transfer_min_bytes_per_request'] / 1024:.1f} KiB), {pd['transfer_ms_per_request']:.1f} ms per fetch on "
+          "the decode engine's thread")
     return report(summaries, args.json_out, args)
 
 

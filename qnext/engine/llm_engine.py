@@ -214,6 +214,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = self.intake.samples(request_id, prompt, params or SamplingParams())[0]
+        t0 = time.perf_counter()
         transferred_sequence(seq, source, self.cache, self.model_config, self.config.tensor_parallel_size,
                              self.prefill_exports.layout(self.cache.manager.buffers), self.scheduler.eos_token_ids,
                              self.max_model_len)
@@ -223,6 +224,7 @@ class LLMEngine:
         self.stats.num_transferred_requests += 1
         self.stats.transfer_bytes += seq.transferred.bytes_moved
         self.stats.transfer_min_bytes += seq.transferred.min_bytes
+        self.stats.transfer_seconds += time.perf_counter() - t0
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Aborts every unfinished sample of the request; None if it is unknown or finished."""

@@ -24,6 +24,15 @@ PD_HEADER = "x-qnext-pd"         # the router's instructions to a prefill or dec
 
 _lock = threading.Lock()
 _servers: dict[str, object] = {}
+_connections: dict[tuple[str, str], object] = {}     # (local host, remote address) -> TransferConnection
+_http: list[httpx.Client] = []                       # the decode side's client to prefill servers (kept alive)
+
+
+def http_client() -> httpx.Client:
+    with _lock:
+        if not _http:
+            _http.append(httpx.Client(timeout=60.0))
+        return _http[0]
 
 
 def transfer_server(host: str = "127.0.0.1"):
@@ -35,6 +44,15 @@ def transfer_server(host: str = "127.0.0.1"):
             client = jax.devices()[0].client
             _servers[host] = transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
         return _servers[host]
+
+
+def connection(host: str, address: str):
+    """This process's connection to the transfer server at `address` (made once)."""
+    server = transfer_server(host)
+    with _lock:
+        if (host, address) not in _connections:
+            _connections[(host, address)] = server.connect(address)
+        return _connections[(host, address)]
 
 
 class PrefillMover:
@@ -61,14 +79,14 @@ class RemoteBundle:
 
     def __init__(self, url: str, request_id: str, timeout: float = 60.0, host: str = "127.0.0.1"):
         self.url, self.request_id, self.timeout, self.host = url.rstrip("/"), request_id, timeout, host
-        response = httpx.get(f"{self.url}/pd/bundles/{request_id}", timeout=timeout)
+        response = http_client().get(f"{self.url}/pd/bundles/{request_id}", timeout=timeout)
         if response.status_code != 200:
             raise ValueError(f"the prefill server {url} has no bundle {request_id!r}: {response.text}")
         self.meta = response.json()
         self.bytes_moved = 0
 
     def fetch(self, first_block: int, num_kv_layers: int) -> dict[str, np.ndarray]:
-        response = httpx.post(f"{self.url}/pd/bundles/{self.request_id}/pull", timeout=self.timeout,
+        response = http_client().post(f"{self.url}/pd/bundles/{self.request_id}/pull", timeout=self.timeout,
                               json={"first_block": first_block, "num_kv_layers": num_kv_layers})
         if response.status_code != 200:
             raise ValueError(f"the prefill server {self.url} could not offer bundle {self.request_id!r}: "
@@ -78,7 +96,7 @@ class RemoteBundle:
         sharding = jax.sharding.SingleDeviceSharding(device)
         specs = [jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
                  for _, shape, dtype in offer["arrays"]]
-        pulled = transfer_server(self.host).connect(offer["address"]).pull(offer["uuid"], specs) if specs else []
+        pulled = connection(self.host, offer["address"]).pull(offer["uuid"], specs) if specs else []
         arrays = {name: np.asarray(a) for (name, _, _), a in zip(offer["arrays"], pulled)}
         self.bytes_moved += bundle_nbytes(arrays)
         arrays.update({name: np.zeros(shape, jnp.dtype(dtype)) for name, shape, dtype in offer["empty"]})

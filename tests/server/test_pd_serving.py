@@ -9,21 +9,16 @@ import contextlib
 import json
 
 import httpx
-import openai
 import pytest
 
 from qnext.server.launch import ServerProcess
 from qnext.testing.tiny_checkpoint import write_tiny_checkpoint
+from tests.support.openai_answers import GREEDY, answers
 
 MODEL = "tiny"
 OPTIONS = ["--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--block-size", "16"]
 ENV = {"JAX_PLATFORMS": "cpu"}
 START_S = 300
-GREEDY = {"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}}
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
-                   "required": ["city"], "additionalProperties": False}}}
 MESSAGES = [{"role": "system", "content": "You answer briefly, in one short sentence about the sea and the sky."},
             {"role": "user", "content": "Weather in Oslo?"}]
 
@@ -66,23 +61,6 @@ def one_process(checkpoint):
         yield base_url
 
 
-def client(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", timeout=120, max_retries=0)
-
-
-def answers(base_url: str) -> dict:
-    c = client(base_url)
-    chat = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, extra_body=GREEDY)
-    stream = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, stream=True,
-                                       extra_body=GREEDY)
-    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
-    tool = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
-                                     tools=[WEATHER_TOOL], tool_choice="required", extra_body=GREEDY).choices[0]
-    return {"chat": chat.choices[0].message.content, "usage": chat.usage.completion_tokens, "streamed": streamed,
-            "tool_calls": [(t.function.name, json.loads(t.function.arguments)) for t in tool.message.tool_calls or []],
-            "cached": chat.usage.prompt_tokens_details.cached_tokens, "prompt": chat.usage.prompt_tokens}
-
-
 def metric(base_url: str, name: str) -> float:
     for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
@@ -91,13 +69,13 @@ def metric(base_url: str, name: str) -> float:
 
 
 def test_router_over_prefill_and_decode_equals_one_process(servers, one_process):
-    expected = answers(one_process)
-    served = answers(servers["router"].base_url)
+    expected = answers(one_process, MODEL, MESSAGES)
+    served = answers(servers["router"].base_url, MODEL, MESSAGES)
     assert expected["usage"] == 12 and expected["chat"] and expected["tool_calls"], expected
     for key in ("chat", "usage", "streamed", "tool_calls"):
         assert served[key] == expected[key], key
     # the decode server computed none of the prompt: every token came from the prefill server or its own cache
-    assert served["cached"] == served["prompt"]
+    assert served["cached_tokens"] == served["prompt_tokens"]
     assert metric(servers["prefill"].base_url, "qnext:request_success_total") >= 3
 
 
