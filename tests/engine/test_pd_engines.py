@@ -2,9 +2,10 @@
 greedy outputs equal one instance's, token for token, over 100+ short prompts (a few tokens to 3 blocks, some
 sharing prefixes) across TP1 -> TP2 and TP2 -> TP1, with and without the decode side's own cached prefix, with MTP
 on the decode side (TP2 -> TP1 + MTP) and on the prefill side (its head's KV layer exported, dropped by a decode
-side without one), requests arriving while others decode; only the missing blocks and one state move.
+side without one), requests arriving while others decode; Qwen3-Next between TP1 and TP4 (heads replicated);
+only the missing blocks and one state move.
 
-The engines run in a subprocess with two XLA host devices (the flag must be set before JAX starts)."""
+The engines run in a subprocess with two (four) XLA host devices (the flag must be set before JAX starts)."""
 from __future__ import annotations
 
 import textwrap
@@ -30,7 +31,7 @@ _SCRIPT = textwrap.dedent("""
     path = write_tiny_checkpoint(sys.argv[1] + "/" + family, family, seed=3)
     cfg = ModelConfig.from_pretrained(path)
     save_mtp_params(path, init_mtp_params(load_params(path, cfg), cfg, jax.random.key(1)), cfg)
-    options = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=16,
+    options = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=16,
                    num_gpu_blocks_override=128, max_num_snapshots=32)
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -78,11 +79,15 @@ _SCRIPT = textwrap.dedent("""
         assert all(first[f"{tag}{i}"] == tokens[i][:1] for i in ids)
         return tokens, moves
 
-    engines = {"tp1": LLMEngine(path, **options),
-               "tp2": LLMEngine(path, tensor_parallel_size=2, num_scheduler_steps=4, **options)}
-    if any("mtp" in name for name in chosen_sets):
-        engines["tp1+mtp"] = LLMEngine(path, speculative_config={"method": "mtp", "num_speculative_tokens": 2},
-                                       **options)
+    engines = {"tp1": LLMEngine(path, **options)}
+    for name in {side for pair in chosen_sets for side in pair.split("->")} - {"tp1"}:
+        if name == "tp1+mtp":
+            engines[name] = LLMEngine(path, speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+                                      **options)
+        else:                     # a TP engine (TP2 runs 4-step windows)
+            tp = int(name[2:])
+            engines[name] = LLMEngine(path, tensor_parallel_size=tp, num_scheduler_steps=4 if tp == 2 else 1,
+                                      **options)
     ids = list(range(num_prompts))
     want = single(engines["tp1"], ids)      # tp1's cache now holds every prompt
     out = {}
@@ -120,9 +125,10 @@ def test_disaggregated_greedy_equals_one_instance(tmp_path):
     assert out["spec_rows"] > 0                                     # the MTP decode side speculated
 
 
-def test_disaggregated_qwen3_next(tmp_path):
-    out = run_on_host_devices(_SCRIPT, 2, str(tmp_path), "qwen3_next", "8", "tp1->tp2,tp2->tp1", timeout=900)
-    _check(out, ["tp1->tp2", "tp2->tp1"])
+def test_disaggregated_qwen3_next_with_replicated_heads(tmp_path):
+    # at TP4 both KV heads and both DeltaNet key heads are held twice: the canonical layout drops and repeats them
+    out = run_on_host_devices(_SCRIPT, 4, str(tmp_path), "qwen3_next", "8", "tp1->tp4,tp4->tp1", timeout=900)
+    _check(out, ["tp1->tp4", "tp4->tp1"])
 
 
 def test_canonical_layout_undoes_device_major_conv_channels_and_replicated_heads(tiny_checkpoint):
