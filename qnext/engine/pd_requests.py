@@ -2,16 +2,19 @@
 that ran a prompt, and the decode side's intake of a request whose prompt was computed elsewhere."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+
+import jax
 
 from cache import CacheManager
 from cache.hashing import block_hashes
 from cache.device_buffers import CacheBuffers
 from qnext.config import ModelConfig
 from qnext.engine.engine_cache import EngineCache
-from qnext.engine.pd_transfer import (BundleSource, PrefillBundle, cache_layout_meta, check_layouts, export_prefill,
-                                      first_token, stage_transferred)
+from qnext.engine.pd_transfer import (BundleSource, PrefillBundle, TransferredPrompt, cache_layout_meta,
+                                      check_layouts, export_prefill, first_token, stage_transferred)
 from qnext.engine.postprocess import append_sampled
 from qnext.engine.sequence import Sequence
 
@@ -57,12 +60,29 @@ class PrefillExports:
         return None if entry is None else entry[1]
 
 
-def transferred_sequence(seq: Sequence, source: BundleSource, cache: EngineCache, cfg: ModelConfig, tp: int,
-                         layout: dict, eos_token_ids, max_model_len: int) -> None:
-    """Makes `seq` (fresh from intake, n=1) a request whose prompt was computed elsewhere: checks the bundle
-    against it, holds the leading blocks this cache has, fetches the rest and the state, appends the first token
-    (its stop check, detokenizer, grammar and logprobs as if sampled here)."""
-    meta = source.meta
+@dataclasses.dataclass
+class PendingTransfer:
+    """A decode engine's request between its hold (engine thread) and the end of its fetch (any thread)."""
+    seq: Sequence                  # fresh from intake
+    meta: dict
+    num_held_blocks: int
+    buffer_shapes: CacheBuffers    # the engine's buffers as ShapeDtypeStructs (what to lay the arrays out for)
+    cfg: ModelConfig
+    tp: int
+    staged: TransferredPrompt | None = None
+    seconds: float = 0.0
+
+    def fetch(self, source: BundleSource) -> None:
+        """Fetches what the cache lacks and lays it out (touches no engine state: any thread)."""
+        t0 = time.perf_counter()
+        self.staged = stage_transferred(source, self.num_held_blocks, self.buffer_shapes, self.cfg, self.tp)
+        self.seconds = time.perf_counter() - t0
+
+
+def begin_transfer(seq: Sequence, meta: dict, cache: EngineCache, cfg: ModelConfig, tp: int,
+                   layout: dict) -> PendingTransfer:
+    """Checks the bundle's metadata against `seq` (fresh from intake, n=1) and holds the leading blocks this
+    cache has (engine thread)."""
     if seq.group is not None or seq.visuals is not None:
         raise ValueError("prefill/decode disaggregation takes text prompts with n=1")
     if list(meta["prompt_token_ids"]) != seq.prompt_token_ids:
@@ -72,14 +92,23 @@ def transferred_sequence(seq: Sequence, source: BundleSource, cache: EngineCache
         raise ValueError(f"the prefill engine finished this request ({meta['finish_reason']}): nothing to decode")
     check_layouts(meta["layout"], layout)
     manager = cache.manager
-    held = manager.hold_prefix(seq.request_id, seq.prompt_token_ids)
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), manager.buffers)
+    return PendingTransfer(seq, meta, manager.hold_prefix(seq.request_id, seq.prompt_token_ids), shapes, cfg, tp)
+
+
+def finish_transfer(pending: PendingTransfer, cache: EngineCache, eos_token_ids, max_model_len: int) -> Sequence:
+    """Appends the first token (its stop check, detokenizer, grammar and logprobs as if sampled here) to a fetched
+    request, ready for the scheduler (engine thread); a failure releases the hold."""
+    seq = pending.seq
     try:
-        staged = stage_transferred(source, held, manager.buffers, cfg, tp)
-        stop = append_sampled(seq, first_token(meta), eos_token_ids, max_model_len)
+        if pending.staged is None:
+            raise RuntimeError(f"request {seq.request_id!r}: its transfer was not fetched")
+        stop = append_sampled(seq, first_token(pending.meta), eos_token_ids, max_model_len)
         if stop is not None:
             raise ValueError(f"the first token ends this request here ({stop}) but not on the prefill engine: "
                              "both sides must get the same sampling params")
     except BaseException:
-        manager.drop_held(seq.request_id)
+        cache.manager.drop_held(seq.request_id)
         raise
-    seq.transferred = staged
+    seq.transferred = pending.staged
+    return seq

@@ -15,14 +15,20 @@ names the engine request after it and hands the decode side's source to the engi
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import json
+import logging
+
+import httpx
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from qnext.server.pd_mover import PD_HEADER, PrefillMover, RemoteBundle
+
+logger = logging.getLogger("qnext.server")
 
 PD_ROLES = ("prefill", "decode")
 PD_REQUEST: contextvars.ContextVar[dict | None] = contextvars.ContextVar("qnext_pd_request", default=None)
@@ -70,6 +76,15 @@ class PrefillRoleEngine(_RoleEngine):
 
 
 class DecodeRoleEngine(_RoleEngine):
+    """A request with a prefill source: its hold and checks on the engine thread, its fetch on a worker thread
+    (the engine keeps stepping meanwhile), its admission on the engine thread once the arrays are here (`step`).
+    A transfer that fails is logged and the request computed here instead, from its prompt."""
+
+    def __init__(self, engine, max_fetches: int = 4):
+        super().__init__(engine)
+        self._fetches = concurrent.futures.ThreadPoolExecutor(max_fetches, thread_name_prefix="qnext-pd-fetch")
+        self._pending: dict[str, tuple] = {}     # request id -> (PendingTransfer, future, prompt, params)
+
     def add_request(self, request_id, prompt, params=None):
         source = prompt.pop("pd_source", None) if isinstance(prompt, dict) else None
         if source is None:
@@ -77,7 +92,46 @@ class DecodeRoleEngine(_RoleEngine):
         url, prefill_id = source.get("prefill_url"), source.get("prefill_request_id")
         if not isinstance(url, str) or not isinstance(prefill_id, str):
             raise ValueError(f"the {PD_HEADER} header of a decode request needs prefill_url and prefill_request_id")
-        self._engine.add_transferred_request(request_id, prompt, params, RemoteBundle(url, prefill_id))
+        if request_id in self._pending:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        try:
+            bundle = RemoteBundle(url, prefill_id)
+        except (ValueError, httpx.HTTPError) as e:
+            logger.warning("request %s: no prefill bundle (%s); computing its prompt here", request_id, e)
+            return self._engine.add_request(request_id, prompt, params)
+        pending = self._engine.begin_transferred_request(request_id, prompt, params, bundle.meta)
+        self._pending[request_id] = (pending, self._fetches.submit(pending.fetch, bundle), prompt, params)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._pending) or self._engine.has_unfinished_requests()
+
+    @property
+    def num_waiting(self) -> int:
+        return self._engine.num_waiting + len(self._pending)
+
+    def step(self):
+        if self._pending and not self._engine.has_unfinished_requests():     # only fetches: wait for one
+            concurrent.futures.wait([f for _, f, _, _ in self._pending.values()], timeout=0.05,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        for request_id, (pending, future, prompt, params) in list(self._pending.items()):
+            if not future.done():
+                continue
+            del self._pending[request_id]
+            if future.exception() is None:
+                self._engine.finish_transferred_request(pending)
+                continue
+            logger.warning("request %s: its transfer failed (%r); computing its prompt here", request_id,
+                           future.exception())
+            self._engine.cancel_transferred_request(pending)
+            self._engine.add_request(request_id, prompt, params)
+        return self._engine.step() if self._engine.has_unfinished_requests() else []
+
+    def abort_request(self, request_id):
+        entry = self._pending.pop(request_id, None)
+        if entry is None:
+            return self._engine.abort_request(request_id)
+        self._engine.cancel_transferred_request(entry[0])     # its fetch, if still running, is dropped when done
+        return None
 
 
 def role_engine(engine, role: str):

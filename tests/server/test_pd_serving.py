@@ -1,8 +1,8 @@
 """Prefill/decode disaggregation over processes on loopback (docs/scale.md): `qnext serve --pd-role prefill`,
 `qnext serve --pd-role decode` and `qnext pd-router` give the openai client what one process gives (chat, the chat
 streamed, a forced tool call), with the prompt computed by the prefill server and its KV and state pulled through
-JAX's transfer server; the decode server reports the whole prompt cached, and its second look at a prompt moves
-only the partial last block and the state."""
+JAX's transfer server; the decode server reports the whole prompt cached; the prefill server's bundle routes; a
+decode request whose bundle is gone is computed on the decode server."""
 from __future__ import annotations
 
 import contextlib
@@ -96,3 +96,8 @@ def test_the_prefill_server_answers_prefilled_and_offers_its_bundle_once(servers
     bad = httpx.post(servers["decode"].base_url + "/v1/chat/completions", json=body, timeout=60,
                      headers={"x-qnext-pd": "not json"})
     assert bad.status_code == 400 and "x-qnext-pd" in bad.text
+    # a bundle that is gone (pulled above): the decode server computes the prompt itself
+    gone = {"request_id": "pd-test-gone", "prefill_url": servers["prefill"].base_url, "prefill_request_id": rid}
+    local = httpx.post(servers["decode"].base_url + "/v1/chat/completions", json=body, timeout=60,
+                       headers={"x-qnext-pd": json.dumps(gone)}).json()
+    assert local["usage"]["completion_tokens"] == 5 and local["choices"][0]["finish_reason"] == "length"
