@@ -76,8 +76,7 @@ def main(argv=None) -> int:
     print(f"decode side: {pd['decode_own_cache_share']:.1%} of the prompt tokens it did not compute came from its own "
           f"prefix cache, {pd['decode_transferred_tokens']:.0f} tokens' KV from the prefill server; "
           f"{pd['transfer_bytes_per_request'] / 1024:.1f} KiB moved per request (minimum "
-          f"{pd['transfer_min_bytes_per_request'] / 1024:.1f} KiB), {pd['transfer_ms_per_request']:.1f} ms per fetch on "
-          "the decode engine's thread")
+          f"{pd['transfer_min_bytes_per_request'] / 1024:.1f} KiB), {pd['transfer_ms_per_request']:.1f} ms per fetch")
     return report(summaries, args.json_out, args)
 
 

@@ -39,7 +39,7 @@ class EngineStats:
     num_transferred_requests: int = 0   # prefill/decode disaggregation, decode side: requests prefilled elsewhere,
     transfer_bytes: int = 0             # the bytes fetched for them, and the minimum (missing KV blocks + one state)
     transfer_min_bytes: int = 0
-    transfer_seconds: float = 0.0       # spent fetching them (the engine's caller waits: docs/scale.md)
+    transfer_seconds: float = 0.0       # spent fetching them (by whichever thread fetched)
     step_seconds: float = 0.0        # wall time of engine.step(), everything included
     schedule_seconds: float = 0.0    # host: admission, blocks, capture rows, the plan
     layout_seconds: float = 0.0      # host: StepInputs from the plan

@@ -40,7 +40,7 @@ _ENGINE_COUNTERS = [
     ("qnext:pd_transfer_bytes", "transfer_bytes", "Bytes of KV blocks and states fetched from prefill servers."),
     ("qnext:pd_transfer_min_bytes", "transfer_min_bytes",
      "The minimum for those requests: the KV blocks this cache lacked plus one state each."),
-    ("qnext:pd_transfer_seconds", "transfer_seconds", "Seconds the engine thread spent fetching them."),
+    ("qnext:pd_transfer_seconds", "transfer_seconds", "Seconds spent fetching them (on the decode server: worker threads)."),
     # MTP speculative decoding (vLLM's spec_decode_* counters): acceptance length = 1 + accepted / drafts
     ("qnext:spec_decode_num_drafts", "num_spec_rows", "Rows of speculative steps (each verified its drafts once)."),
     ("qnext:spec_decode_num_draft_tokens", "num_draft_tokens", "Draft tokens verified."),
