@@ -210,6 +210,32 @@ def gather_device_rows(conv: tuple, recurrent: tuple, rows: list[int]) -> tuple[
             tuple(np.concatenate([p[1][layer] for p in pieces]) for layer in range(len(recurrent))))
 
 
+def write_blocks_and_rows(buffers: CacheBuffers, blocks: list[int], kv: tuple, rows: list[int], conv: tuple,
+                          recurrent: tuple) -> CacheBuffers:
+    """Writes KV blocks and state rows computed elsewhere into the buffers (donated) -> the new buffers.
+    kv: per KV layer of the buffers (k, v) [Hkv, len(blocks), block_size, D] numpy; conv / recurrent: per
+    linear-attention layer [len(rows), ...]; all in the buffers' (global, not per-device) layout."""
+    for i in range(0, len(blocks), MAX_COPY):
+        part = _padded(blocks[i:i + MAX_COPY], buffers.kv[0][0].shape[1])
+        values = tuple((_padded_values(k[:, i:i + MAX_COPY], len(part), 1),
+                        _padded_values(v[:, i:i + MAX_COPY], len(part), 1)) for k, v in kv)
+        buffers = buffers.replace(kv=_scatter_blocks(buffers.kv, part, values))
+    for i in range(0, len(rows), MAX_COPY):
+        part = _padded(rows[i:i + MAX_COPY], buffers.conv[0].shape[0])
+        values = (tuple(_padded_values(c[i:i + MAX_COPY], len(part), 0) for c in conv),
+                  tuple(_padded_values(r[i:i + MAX_COPY], len(part), 0) for r in recurrent))
+        state = _scatter_rows((buffers.conv, buffers.recurrent), part, values)
+        buffers = buffers.replace(conv=state[0], recurrent=state[1])
+    return buffers
+
+
+def _padded_values(x: np.ndarray, size: int, axis: int) -> np.ndarray:
+    """x zero-padded along `axis` to `size` entries (the padded indices write out of range: dropped)."""
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return np.pad(x, pad)
+
+
 def _chunks(pairs: dict[int, int]):
     """(keys, values) of `pairs` in pieces of at most MAX_COPY."""
     keys, values = list(pairs), list(pairs.values())

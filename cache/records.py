@@ -32,6 +32,7 @@ class SequenceRecord:
     branch_position: int = 0                 # where the KV match outran the state match (0: it did not)
     restored_hash: bytes | None = None
     kv_matched_tokens: int = 0
+    transferred_tokens: int = 0              # of num_cached_tokens, those whose KV came with a transfer (PD)
     host_tokens: int = 0                     # of num_cached_tokens, those whose KV is loaded from the host tier
     ran: bool = False                        # a step committed for it (else free() takes back its admission counts)
     cacheable: bool = True                   # False once a clear ran while it was admitted: it publishes nothing more

@@ -27,6 +27,7 @@ class TierStats:
 class CacheStats:
     prompt_tokens: int = 0
     reused_tokens: int = 0                  # served from cache (KV + restored state)
+    transferred_tokens: int = 0             # prompt tokens computed by a prefill engine whose KV was moved here (PD)
     kv_matched_tokens: int = 0              # raw KV match, capped so the last prompt token is computed
     lost_to_missing_state_tokens: int = 0   # KV matched but recomputed for want of a state snapshot
     admissions: int = 0
@@ -52,11 +53,12 @@ class CacheStats:
         """Counts an admission (a cache.records.SequenceRecord), or takes it back (sign -1: freed before it ran)."""
         self.admissions += sign
         self.prompt_tokens += sign * seq.prompt_len
-        self.reused_tokens += sign * seq.num_cached_tokens
+        self.reused_tokens += sign * (seq.num_cached_tokens - seq.transferred_tokens)
+        self.transferred_tokens += sign * seq.transferred_tokens
         self.kv_matched_tokens += sign * seq.kv_matched_tokens
         self.lost_to_missing_state_tokens += sign * (seq.kv_matched_tokens - seq.num_cached_tokens)
         self.snapshots_restored += sign * (seq.restored_hash is not None)
-        self.tiers.device_hit_tokens += sign * (seq.num_cached_tokens - seq.host_tokens)
+        self.tiers.device_hit_tokens += sign * (seq.num_cached_tokens - seq.host_tokens - seq.transferred_tokens)
         self.tiers.host_hit_tokens += sign * seq.host_tokens
         self.tiers.host_hits += sign * bool(seq.host_tokens or seq.snapshot_from_host)
 

@@ -10,7 +10,7 @@ import logging
 from pathlib import Path
 
 from cache import CacheManager
-from cache.device_buffers import CacheBuffers, HostTierBuffers, apply_fork_copies
+from cache.device_buffers import CacheBuffers, HostTierBuffers, apply_fork_copies, write_blocks_and_rows
 from cache.persisted_cache import load_prefix_cache, save_prefix_cache
 from qnext.engine.cache_setup import CacheSetup
 
@@ -22,6 +22,7 @@ class EngineCache:
         self.manager = CacheManager(setup.config)     # it owns the device buffers
         self.manager.attach_buffers(setup.buffers)
         self.host_buffers = host_buffers      # the host tier's arrays (None: no host tier)
+        self._writes: list[tuple] = []        # KV blocks and state rows computed elsewhere (write_transferred)
         if setup.prefix_cache_dir is not None:
             self._load(setup.prefix_cache_dir, setup.fingerprint)
 
@@ -35,7 +36,15 @@ class EngineCache:
             if self.host_buffers is None:
                 raise RuntimeError("the cache manager has a host tier but the engine has no host buffers")
             buffers = self.host_buffers.apply(transfers, buffers, m.stats.tiers)
+        for write in self._writes:    # last: an offload of an evicted block they reuse reads it first
+            buffers = write_blocks_and_rows(buffers, *write)
+        self._writes = []
         return buffers
+
+    def write_transferred(self, blocks: list[int], kv: tuple, row: int, conv: tuple, recurrent: tuple) -> None:
+        """Queues the write of a transferred prompt's KV blocks and state (engine/pd_transfer.py) into the blocks
+        and live row its admission gave it; it runs before the next step."""
+        self._writes.append((blocks, kv, [row], conv, recurrent))
 
     def return_buffers(self, buffers: CacheBuffers) -> None:
         self.manager.return_buffers(buffers)

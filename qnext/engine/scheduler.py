@@ -18,7 +18,8 @@ from collections.abc import Sequence as Seq
 
 from qnext.engine.config import EngineConfig
 from qnext.engine.engine_cache import EngineCache
-from qnext.engine.plan import ScheduledSequence, StepPlan, StepResult
+from qnext.engine.pd_transfer import PREFILLED
+from qnext.engine.plan import SampledToken, ScheduledSequence, StepPlan, StepResult
 from qnext.engine.postprocess import Stop, append_sampled, append_window, mark_finished
 from qnext.engine.sequence import Sequence, SequenceStatus
 from qnext.engine.window_plan import Work, multi_step_ok, speculative_ok, window_plan
@@ -39,6 +40,8 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # prefill engine (PD): (seq, block table, live row, first token) of prompts just computed, for their export
+        self.prefilled: list[tuple[Sequence, list[int], int, SampledToken]] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -52,6 +55,9 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            if seq.transferred is not None:
+                self.cache.drop_held(seq.request_id)
+                seq.transferred = None
         mark_finished(seq, ("abort", None))
 
     # ---- planning ---------------------------------------------------------------------------------------------
@@ -108,6 +114,11 @@ class Scheduler:
             forks = len(seq.pending_forks)      # n > 1: rows and blocks for the other samples come with it
             if len(self.running) + 1 + forks > self.config.max_num_seqs:
                 break
+            if seq.transferred is not None:
+                if not self._admit_transferred(seq, budget, layout, work):
+                    break
+                budget -= 1
+                continue
             admission = self.cache.admit(seq.request_id, seq.token_ids, num_forks=forks, turn_starts=seq.turn_starts,
                                          images=seq.visuals.spans if seq.visuals is not None else ())
             if admission is None:
@@ -124,6 +135,26 @@ class Scheduler:
             work.append(w)
             budget -= w.num_tokens
         return work
+
+    def _admit_transferred(self, seq: Sequence, budget: int, layout, work: list[Work]) -> bool:
+        """Admits a request whose prompt a prefill engine computed: its next step runs the first token only. The
+        transferred KV and state are written into its blocks and live row before that step (EngineCache)."""
+        n = len(seq.prompt_token_ids)
+        w = self._work(seq, n, budget)
+        if not layout.try_add(w.start, w.num_tokens, w.captures):
+            return False
+        admission = self.cache.admit_transferred(seq.request_id, seq.token_view, n)
+        if admission is None:
+            return False
+        t = seq.transferred
+        blocks = admission.block_table[t.num_held_blocks:-(-n // self.config.block_size)]
+        self.engine_cache.write_transferred(blocks, t.kv, admission.state_row, t.conv, t.recurrent)
+        seq.transferred = None             # a preemption recomputes it like any other
+        self.waiting.popleft()
+        self._start(seq, admission)
+        self.running.append(seq)
+        work.append(w)
+        return True
 
     def _work(self, seq: Sequence, start: int, budget: int) -> Work:
         n = min(seq.num_tokens - start, budget)
@@ -182,6 +213,11 @@ class Scheduler:
                 produced = True
             seq.draft_token_ids = result.drafts.get(seq.request_id, [])
             self.cache.commit(seq.request_id, seq.token_view, seq.num_computed_tokens)
+            if seq.export_prefill and produced:          # its decoding goes on elsewhere (engine/pd_transfer.py)
+                rid = seq.request_id
+                self.prefilled.append((seq, list(self.cache.block_table(rid)), self.cache.state_rows(rid)[1],
+                                       result.sampled[rid]))
+                stop = stop or (PREFILLED, None)
             forked = self._fork(seq, it.forks, result) if it.forks else []
             if stop is not None:
                 self._finish(seq, stop)

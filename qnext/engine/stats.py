@@ -36,6 +36,10 @@ class EngineStats:
     num_prompt_tokens: int = 0
     num_prefill_tokens: int = 0      # prompt tokens run through the model (a request's n samples: its prompt once)
     num_generated_tokens: int = 0
+    num_transferred_requests: int = 0   # prefill/decode disaggregation, decode side: requests prefilled elsewhere,
+    transfer_bytes: int = 0             # the bytes fetched for them, and the minimum (missing KV blocks + one state)
+    transfer_min_bytes: int = 0
+    transfer_seconds: float = 0.0       # spent fetching them (by whichever thread fetched)
     step_seconds: float = 0.0        # wall time of engine.step(), everything included
     schedule_seconds: float = 0.0    # host: admission, blocks, capture rows, the plan
     layout_seconds: float = 0.0      # host: StepInputs from the plan

@@ -20,6 +20,7 @@ from qnext.server.chat_request import ChatInputs, ChatRequest, ChatTranslator
 from qnext.server.engine_loop import AsyncEngine, EngineStepError, EngineStoppedError, QueueFullError
 from qnext.server.errors import APIError, bad_request, engine_error
 from qnext.server.media import MediaLimits
+from qnext.server.pd_serving import PD_REQUEST
 from qnext.server.prompt_bound import PromptBound
 from qnext.server.request_stream import RequestStream
 
@@ -96,7 +97,13 @@ class Admission:
         prompt = {"prompt": text, "prompt_token_ids": token_ids}
         if multi_modal_data:
             prompt["multi_modal_data"] = multi_modal_data
+        request_id = new_request_id(id_prefix)
+        pd = PD_REQUEST.get()           # a PD router's request (server/pd_serving.py): its id, its prefill source
+        if pd is not None:
+            request_id = pd["request_id"]
+            if "prefill_url" in pd:
+                prompt["pd_source"] = pd
         try:
-            return await self.async_engine.add(new_request_id(id_prefix), prompt, params)
+            return await self.async_engine.add(request_id, prompt, params)
         except (QueueFullError, EngineStoppedError, EngineStepError, ValueError) as e:
             raise engine_error(e) from e

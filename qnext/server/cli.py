@@ -64,6 +64,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     serve = commands.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API",
                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serve_arguments(serve)
+    router = commands.add_parser("pd-router", help="route requests over a prefill and a decode server (PD)")
+    add_pd_router_arguments(router)
     return parser, engine_option_flags(serve)
 
 
@@ -101,9 +103,22 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-parallel-backend", default="process", choices=["process", "thread"],
                    help="with --data-parallel-size > 1: each replica in a process of its own (its own devices and "
                         "Python), or all as threads of the HTTP process")
+    p.add_argument("--pd-role", choices=["prefill", "decode"], default=None,
+                   help="one side of prefill/decode disaggregation behind `qnext pd-router` (docs/scale.md)")
+    p.add_argument("--pd-transfer-host", default="127.0.0.1",
+                   help="with --pd-role: the address this process's JAX transfer server listens on")
     from qnext.server.multinode import add_multinode_arguments
 
     add_multinode_arguments(p)
+
+
+def add_pd_router_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill", required=True, metavar="URL", help="a `qnext serve --pd-role prefill` server")
+    p.add_argument("--decode", required=True, metavar="URL", help="a `qnext serve --pd-role decode` server")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--shutdown-timeout", type=float, default=30.0)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def add_access_arguments(p: argparse.ArgumentParser) -> None:
@@ -148,9 +163,9 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
         except ValueError as e:
             logger.error("%s", e)
             return 2
-        if args.data_parallel_size > 1:
-            logger.error("--nnodes > 1 runs one engine over every rank; --data-parallel-size > 1 with it is not "
-                         "supported: start one multi-rank server per replica instead")
+        if args.data_parallel_size > 1 or args.pd_role:
+            logger.error("--nnodes > 1 runs one engine over every rank; --data-parallel-size > 1 or --pd-role with "
+                         "it is not supported: start one multi-rank server per replica instead")
             return 2
         if args.node_rank > 0:
             return follow(model, engine_options, args)
@@ -165,6 +180,8 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
                 resolve_compilation_cache_dir(engine_options.get("compilation_cache_dir")) or "off")
     try:
         async_engine = metrics = None
+        if args.data_parallel_size > 1 and args.pd_role:
+            raise ValueError("--pd-role serves one engine; drop --data-parallel-size")
         if args.data_parallel_size > 1:
             from qnext.server.data_parallel import build_replicas
 
@@ -181,7 +198,8 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
     app = build_app(engine, model_name=names[0], aliases=names[1:], max_waiting_requests=args.max_waiting_requests,
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                     api_key=args.api_key, max_request_bytes=args.max_request_bytes, async_engine=async_engine,
-                    metrics=metrics, media_limits=media_limits(args))
+                    metrics=metrics, media_limits=media_limits(args), pd_role=args.pd_role,
+                    pd_transfer_host=args.pd_transfer_host)
     return run_uvicorn(app, args)
 
 
@@ -206,9 +224,14 @@ def run_uvicorn(app, args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser, option_names = build_parser()
     args = parser.parse_args(argv)
-    options = {n: getattr(args, n) for n in option_names if getattr(args, n) is not None}
+    options = {n: getattr(args, n, None) for n in option_names if getattr(args, n, None) is not None}
     if args.command == "serve":
         return serve(args, options)
+    if args.command == "pd-router":
+        from qnext.server.pd_router import build_pd_router
+
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return run_uvicorn(build_pd_router(args.prefill, args.decode), args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

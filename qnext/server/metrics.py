@@ -20,6 +20,8 @@ _TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.
 _CACHE_COUNTERS = [
     ("qnext:prefix_cache_queries", "prompt_tokens", "Prompt tokens looked up in the prefix cache."),
     ("qnext:prefix_cache_hits", "reused_tokens", "Prompt tokens served from the prefix cache (KV + state)."),
+    ("qnext:prefix_cache_transferred", "transferred_tokens",
+     "Prompt tokens a prefill server computed whose KV was moved here (prefill/decode disaggregation)."),
     ("qnext:prefix_cache_kv_matched", "kv_matched_tokens", "Prompt tokens whose KV blocks matched the cache."),
     ("qnext:prefix_cache_lost_to_missing_state", "lost_to_missing_state_tokens",
      "Prompt tokens whose KV matched but were recomputed for want of a state snapshot."),
@@ -34,6 +36,11 @@ _ENGINE_COUNTERS = [
     ("qnext:prompt_tokens", "num_prompt_tokens", "Prompt tokens of the requests the engine accepted."),
     ("qnext:generation_tokens", "num_generated_tokens", "Tokens generated."),
     ("qnext:engine_steps", "num_steps", "Engine steps run."),
+    ("qnext:pd_transferred_requests", "num_transferred_requests", "Requests prefilled by a prefill server (PD)."),
+    ("qnext:pd_transfer_bytes", "transfer_bytes", "Bytes of KV blocks and states fetched from prefill servers."),
+    ("qnext:pd_transfer_min_bytes", "transfer_min_bytes",
+     "The minimum for those requests: the KV blocks this cache lacked plus one state each."),
+    ("qnext:pd_transfer_seconds", "transfer_seconds", "Seconds spent fetching them (on the decode server: worker threads)."),
     # MTP speculative decoding (vLLM's spec_decode_* counters): acceptance length = 1 + accepted / drafts
     ("qnext:spec_decode_num_drafts", "num_spec_rows", "Rows of speculative steps (each verified its drafts once)."),
     ("qnext:spec_decode_num_draft_tokens", "num_draft_tokens", "Draft tokens verified."),

@@ -11,16 +11,15 @@ Processes: one pair for the module (the kill ends it), one lone rank 0, one idle
 bounded and every process stopped however a test ends. Prefix caching is off: fewer step shapes to compile."""
 from __future__ import annotations
 
-import json
 import threading
 import time
 
 import httpx
-import openai
 import pytest
 
 from qnext.server.launch import running_ranks, ServerProcess, free_port_pair
 from qnext.testing.tiny_checkpoint import write_tiny_checkpoint
+from tests.support.openai_answers import GREEDY, answers as openai_answers
 
 MODEL = "tiny"
 OPTIONS = ["--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--block-size", "16",
@@ -28,11 +27,6 @@ OPTIONS = ["--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-t
 ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
 START_S = 300          # load + first start of two processes on a shared 2-core machine
 BOUND_S = 10           # a lost rank turns into 503s within this
-GREEDY = {"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}}
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
-                   "required": ["city"], "additionalProperties": False}}}
 MESSAGES = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Weather in Oslo?"}]
 
 
@@ -66,21 +60,8 @@ def one_process(checkpoint):
         yield base_url
 
 
-def client(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", timeout=120, max_retries=0)
-
-
 def answers(base_url: str) -> dict:
-    """Chat, the same chat streamed, and a forced tool call: what a client reads."""
-    c = client(base_url)
-    chat = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, extra_body=GREEDY)
-    stream = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, stream=True,
-                                       extra_body=GREEDY)
-    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
-    tool = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
-                                     tools=[WEATHER_TOOL], tool_choice="required", extra_body=GREEDY).choices[0]
-    return {"chat": chat.choices[0].message.content, "usage": chat.usage.completion_tokens, "streamed": streamed,
-            "tool_calls": [(t.function.name, json.loads(t.function.arguments)) for t in tool.message.tool_calls or []]}
+    return openai_answers(base_url, MODEL, MESSAGES)
 
 
 def test_health_and_metrics_count_the_ranks(ranks):

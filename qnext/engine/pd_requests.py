@@ -1,0 +1,114 @@
+"""The engine's two ends of prefill/decode disaggregation (docs/scale.md): the prefill side's exports after the step
+that ran a prompt, and the decode side's intake of a request whose prompt was computed elsewhere."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import jax
+
+from cache import CacheManager
+from cache.hashing import block_hashes
+from cache.device_buffers import CacheBuffers
+from qnext.config import ModelConfig
+from qnext.engine.engine_cache import EngineCache
+from qnext.engine.pd_transfer import (BundleSource, PrefillBundle, TransferredPrompt, cache_layout_meta,
+                                      check_layouts, export_prefill, first_token, stage_transferred)
+from qnext.engine.postprocess import append_sampled
+from qnext.engine.sequence import Sequence
+
+
+class PrefillExports:
+    """The bundles of a prefill engine's requests, from the step that ran their prompts until they are taken
+    (any thread may take one); a bundle nobody took within `ttl_s` is dropped at the next export."""
+
+    def __init__(self, cfg: ModelConfig, tp: int, block_size: int, kv_cache_scale: float, ttl_s: float = 300.0):
+        self.cfg, self.tp, self.block_size, self.kv_cache_scale = cfg, tp, block_size, float(kv_cache_scale)
+        self.ttl_s = ttl_s
+        self._bundles: dict[str, tuple[float, PrefillBundle]] = {}
+        self._lock = threading.Lock()
+
+    def layout(self, buffers: CacheBuffers) -> dict:
+        return cache_layout_meta(self.cfg, buffers, self.block_size, self.kv_cache_scale)
+
+    def export(self, scheduler, manager: CacheManager) -> None:
+        """Reads the prompts the last step ran for export (scheduler.prefilled) out of the buffers: right after
+        the step's postprocess, before anything else writes their freed blocks or row."""
+        if not scheduler.prefilled:
+            return
+        buffers = manager.buffers
+        layout = self.layout(buffers)
+        now = time.monotonic()
+        bundles = {seq.request_id: (now, export_prefill(
+            buffers, self.cfg, self.tp, layout, seq.request_id, seq.prompt_token_ids,
+            block_hashes(seq.prompt_token_ids, self.block_size, manager.block_hash_fn), table, row, token,
+            (seq.finish_reason, seq.stop_reason))) for seq, table, row, token in scheduler.prefilled}
+        scheduler.prefilled = []
+        with self._lock:
+            self._bundles = {rid: b for rid, b in self._bundles.items() if now - b[0] < self.ttl_s}
+            self._bundles.update(bundles)
+
+    def get(self, request_id: str) -> PrefillBundle | None:
+        with self._lock:
+            entry = self._bundles.get(request_id)
+        return None if entry is None else entry[1]
+
+    def take(self, request_id: str) -> PrefillBundle | None:
+        with self._lock:
+            entry = self._bundles.pop(request_id, None)
+        return None if entry is None else entry[1]
+
+
+@dataclasses.dataclass
+class PendingTransfer:
+    """A decode engine's request between its hold (engine thread) and the end of its fetch (any thread)."""
+    seq: Sequence                  # fresh from intake
+    meta: dict
+    num_held_blocks: int
+    buffer_shapes: CacheBuffers    # the engine's buffers as ShapeDtypeStructs (what to lay the arrays out for)
+    cfg: ModelConfig
+    tp: int
+    staged: TransferredPrompt | None = None
+    seconds: float = 0.0
+
+    def fetch(self, source: BundleSource) -> None:
+        """Fetches what the cache lacks and lays it out (touches no engine state: any thread)."""
+        t0 = time.perf_counter()
+        self.staged = stage_transferred(source, self.num_held_blocks, self.buffer_shapes, self.cfg, self.tp)
+        self.seconds = time.perf_counter() - t0
+
+
+def begin_transfer(seq: Sequence, meta: dict, cache: EngineCache, cfg: ModelConfig, tp: int,
+                   layout: dict) -> PendingTransfer:
+    """Checks the bundle's metadata against `seq` (fresh from intake, n=1) and holds the leading blocks this
+    cache has (engine thread)."""
+    if seq.group is not None or seq.visuals is not None:
+        raise ValueError("prefill/decode disaggregation takes text prompts with n=1")
+    if list(meta["prompt_token_ids"]) != seq.prompt_token_ids:
+        raise ValueError(f"the prefill engine's prompt ({len(meta['prompt_token_ids'])} tokens) is not this "
+                         f"request's ({len(seq.prompt_token_ids)} tokens): send both the same request")
+    if meta["finish_reason"] != "prefilled":
+        raise ValueError(f"the prefill engine finished this request ({meta['finish_reason']}): nothing to decode")
+    check_layouts(meta["layout"], layout)
+    manager = cache.manager
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), manager.buffers)
+    return PendingTransfer(seq, meta, manager.hold_prefix(seq.request_id, seq.prompt_token_ids), shapes, cfg, tp)
+
+
+def finish_transfer(pending: PendingTransfer, cache: EngineCache, eos_token_ids, max_model_len: int) -> Sequence:
+    """Appends the first token (its stop check, detokenizer, grammar and logprobs as if sampled here) to a fetched
+    request, ready for the scheduler (engine thread); a failure releases the hold."""
+    seq = pending.seq
+    try:
+        if pending.staged is None:
+            raise RuntimeError(f"request {seq.request_id!r}: its transfer was not fetched")
+        stop = append_sampled(seq, first_token(pending.meta), eos_token_ids, max_model_len)
+        if stop is not None:
+            raise ValueError(f"the first token ends this request here ({stop}) but not on the prefill engine: "
+                             "both sides must get the same sampling params")
+    except BaseException:
+        cache.manager.drop_held(seq.request_id)
+        raise
+    seq.transferred = pending.staged
+    return seq

@@ -1,0 +1,84 @@
+"""`qnext pd-router --prefill URL --decode URL`: the front of prefill/decode disaggregation (docs/scale.md).
+
+For each completion or chat completion: the body goes to the prefill server (not streamed) under a fresh id in the
+`x-qnext-pd` header; when it answers finish_reason "prefilled", the same body goes to the decode server with the
+prefill server's address and that id, and the decode server's answer (JSON or the event stream) is passed
+through as it comes. A request the first token already ended, or one with n > 1, goes to the decode server
+plainly. Other routes (/v1/models, ...) are the decode server's.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from qnext.server.pd_mover import PD_HEADER
+
+FORWARDED_HEADERS = ("authorization", "x-api-key")
+
+
+def build_pd_router(prefill_url: str, decode_url: str, timeout: float = 600.0) -> FastAPI:
+    prefill_url, decode_url = prefill_url.rstrip("/"), decode_url.rstrip("/")
+    client = httpx.AsyncClient(timeout=timeout)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        try:
+            yield
+        finally:
+            await client.aclose()
+
+    app = FastAPI(title="qnext pd-router", lifespan=lifespan)
+
+    async def disaggregated(request: Request) -> Response:
+        path = request.url.path
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            return JSONResponse({"error": {"message": "the body is not JSON", "type": "invalid_request_error"}}, 400)
+        headers = {k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}
+        decode_headers = dict(headers)
+        if isinstance(body, dict) and body.get("n", 1) == 1:
+            request_id = f"pd-{uuid.uuid4().hex}"
+            prefill_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+            prefilled = await client.post(prefill_url + path, json=prefill_body,
+                                          headers={**headers, PD_HEADER: json.dumps({"request_id": request_id})})
+            if prefilled.status_code != 200:
+                return Response(prefilled.content, prefilled.status_code, media_type="application/json")
+            if prefilled.json()["choices"][0].get("finish_reason") == "prefilled":
+                decode_headers[PD_HEADER] = json.dumps({"request_id": request_id, "prefill_url": prefill_url,
+                                                        "prefill_request_id": request_id})
+        return await _passed_through(client, decode_url + path, body, decode_headers)
+
+    app.add_api_route("/v1/chat/completions", disaggregated, methods=["POST"])
+    app.add_api_route("/v1/completions", disaggregated, methods=["POST"])
+
+    @app.get("/health")
+    async def health():
+        states = {}
+        for name, url in (("prefill", prefill_url), ("decode", decode_url)):
+            try:
+                states[name] = (await client.get(url + "/health")).status_code
+            except httpx.HTTPError as e:
+                states[name] = repr(e)
+        ok = all(code == 200 for code in states.values())
+        return JSONResponse({"status": "ok" if ok else "unavailable", **states}, 200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        answer = await client.get(decode_url + "/v1/models",
+                                  headers={k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS})
+        return Response(answer.content, answer.status_code, media_type="application/json")
+
+    return app
+
+
+async def _passed_through(client: httpx.AsyncClient, url: str, body, headers: dict) -> Response:
+    answer = await client.send(client.build_request("POST", url, json=body, headers=headers), stream=True)
+    return StreamingResponse(answer.aiter_raw(), status_code=answer.status_code,
+                             media_type=answer.headers.get("content-type"), background=BackgroundTask(answer.aclose))

@@ -1,0 +1,186 @@
+"""Prefill/decode disaggregation between engines in one process (qnext/engine/pd_transfer.py, docs/scale.md):
+greedy outputs equal one instance's, token for token, over 100+ short prompts (a few tokens to 3 blocks, some
+sharing prefixes) across TP1 -> TP2 and TP2 -> TP1, with and without the decode side's own cached prefix, with MTP
+on the decode side (TP2 -> TP1 + MTP) and on the prefill side (its head's KV layer exported, dropped by a decode
+side without one), requests arriving while others decode; Qwen3-Next between TP1 and TP4 (heads replicated);
+only the missing blocks and one state move.
+
+The engines run in a subprocess with two (four) XLA host devices (the flag must be set before JAX starts)."""
+from __future__ import annotations
+
+import textwrap
+
+import numpy as np
+import pytest
+
+from qnext.model.canonical_cache import conv_from_canonical, conv_to_canonical, kv_from_canonical, kv_to_canonical
+from tests.support.host_device_script import run_on_host_devices
+
+_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax
+    import numpy as np
+    from qnext import SamplingParams
+    from qnext.config import ModelConfig
+    from qnext.engine.llm_engine import LLMEngine
+    from qnext.model.loader import load_params
+    from qnext.model.mtp import init_mtp_params, save_mtp_params
+    from qnext.testing.tiny_checkpoint import write_tiny_checkpoint
+
+    family, num_prompts, chosen_sets = sys.argv[2], int(sys.argv[3]), sys.argv[4].split(",")
+    path = write_tiny_checkpoint(sys.argv[1] + "/" + family, family, seed=3)
+    cfg = ModelConfig.from_pretrained(path)
+    save_mtp_params(path, init_mtp_params(load_params(path, cfg), cfg, jax.random.key(1)), cfg)
+    options = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=16,
+                   num_gpu_blocks_override=128, max_num_snapshots=32)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    rng = np.random.default_rng(0)
+    stems = [rng.integers(3, 500, n).tolist() for n in (16, 20, 32)]    # shared prefixes, on and off a boundary
+    prompts = []
+    for i in range(num_prompts):
+        tail = rng.integers(3, 500, int(rng.integers(1, 17))).tolist()
+        prompts.append(stems[i % 3] + tail if i % 2 else rng.integers(3, 500, int(rng.integers(2, 49))).tolist())
+
+    def drain(engine, outs):
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+        return outs
+
+    def single(engine, ids):
+        for i in ids:
+            engine.add_request(f"ref{i}", {"prompt_token_ids": prompts[i]}, greedy)
+        outs = {}
+        while engine.has_unfinished_requests():
+            drain(engine, outs)
+        return {i: list(outs[f"ref{i}"].outputs[0].token_ids) for i in ids}
+
+    def disaggregated(prefill, decode, ids, tag):
+        # three new prompts reach the prefill engine per round; finished prefills move while the decode engine decodes
+        pending, first, outs, moves = list(ids), {}, {}, []
+        while pending or prefill.has_unfinished_requests() or decode.has_unfinished_requests():
+            for i in pending[:3]:
+                prefill.add_prefill_request(f"{tag}{i}", {"prompt_token_ids": prompts[i]}, greedy)
+            pending = pending[3:]
+            for o in prefill.step():
+                assert o.finished and o.outputs[0].finish_reason == "prefilled", o.outputs[0].finish_reason
+                bundle = prefill.take_prefill_bundle(o.request_id)
+                first[o.request_id] = list(o.outputs[0].token_ids)
+                running = decode.num_running
+                decode.add_transferred_request(o.request_id, {"prompt_token_ids": bundle.meta["prompt_token_ids"]},
+                                               greedy, bundle)
+                t = decode.scheduler.waiting[-1].transferred
+                moves.append([t.num_held_blocks, len(prompts[int(o.request_id.split(":")[1])]), t.bytes_moved,
+                              t.min_bytes, running])
+            if decode.has_unfinished_requests():
+                drain(decode, outs)
+        tokens = {i: list(outs[f"{tag}{i}"].outputs[0].token_ids) for i in ids}
+        assert all(first[f"{tag}{i}"] == tokens[i][:1] for i in ids)
+        return tokens, moves
+
+    engines = {"tp1": LLMEngine(path, **options)}
+    for name in {side for pair in chosen_sets for side in pair.split("->")} - {"tp1"}:
+        if name == "tp1+mtp":
+            engines[name] = LLMEngine(path, speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+                                      **options)
+        else:                     # a TP engine (TP2 runs 4-step windows)
+            tp = int(name[2:])
+            engines[name] = LLMEngine(path, tensor_parallel_size=tp, num_scheduler_steps=4 if tp == 2 else 1,
+                                      **options)
+    ids = list(range(num_prompts))
+    want = single(engines["tp1"], ids)      # tp1's cache now holds every prompt
+    out = {}
+    for k, name in enumerate(chosen_sets):  # tp2 and tp1+mtp start with empty caches
+        prefill, decode = name.split("->")
+        chosen = ids[k * num_prompts // len(chosen_sets):(k + 1) * num_prompts // len(chosen_sets)]
+        got, moves = disaggregated(engines[prefill], engines[decode], chosen, name + ":")
+        out[name] = {"equal": all(got[i] == want[i] for i in chosen), "moves": moves, "n": len(chosen)}
+    out["spec_rows"] = engines["tp1+mtp"].stats.num_spec_rows if "tp1+mtp" in engines else 0
+    print(json.dumps(out))
+""")
+
+
+def _check(out: dict, names: list[str]) -> None:
+    for name in names:
+        case = out[name]
+        assert case["equal"], name
+        moves = np.array(case["moves"])
+        assert len(moves) == case["n"]
+        assert (moves[:, 2] == moves[:, 3]).all(), name            # bytes moved = missing blocks + one state
+        assert (moves[:, 4] > 0).any(), name                       # some arrived while others decoded
+
+
+def test_disaggregated_greedy_equals_one_instance(tmp_path):
+    # tp1 (the single instance first) prefills for tp2, whose cache starts empty; tp2 prefills for tp1 + MTP; the
+    # MTP engine prefills (its head's KV layer exported) for tp2, which drops that layer; tp2 prefills for tp1,
+    # whose cache holds every prompt's full blocks
+    names = ["tp1->tp2", "tp2->tp1+mtp", "tp1+mtp->tp2", "tp2->tp1"]
+    out = run_on_host_devices(_SCRIPT, 2, str(tmp_path), "qwen3_5", "104", ",".join(names), timeout=900)
+    _check(out, names)
+    first = np.array(out["tp1->tp2"]["moves"])
+    assert (first[:, 0] == 0).any() and (first[:, 0] > 0).any()     # without, and later with, a cached prefix
+    held = np.array(out["tp2->tp1"]["moves"])                       # tp1 ran every prompt: it holds all full blocks
+    np.testing.assert_array_equal(held[:, 0], held[:, 1] // 16)
+    assert out["spec_rows"] > 0                                     # the MTP decode side speculated
+
+
+def test_disaggregated_qwen3_next_with_replicated_heads(tmp_path):
+    # at TP4 both KV heads and both DeltaNet key heads are held twice: the canonical layout drops and repeats them
+    out = run_on_host_devices(_SCRIPT, 4, str(tmp_path), "qwen3_next", "8", "tp1->tp4,tp4->tp1", timeout=900)
+    _check(out, ["tp1->tp4", "tp4->tp1"])
+
+
+def test_canonical_layout_undoes_device_major_conv_channels_and_replicated_heads(tiny_checkpoint):
+    from qnext.config import ModelConfig
+
+    cfg = ModelConfig.from_pretrained(tiny_checkpoint("qwen3_5"))   # KV heads 2, DeltaNet key heads 2, value heads 4
+    rng = np.random.default_rng(0)
+    conv = rng.standard_normal((3, cfg.conv_dim)).astype(np.float32)
+    q, k, v = np.split(conv, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    for tp in (1, 2, 4):
+        laid = conv_from_canonical(conv, cfg, tp)
+        per_device = np.split(laid, tp, axis=-1)
+        for r in range(tp):   # device r: its value heads, and the key head(s) they read, as q | k | v
+            hv = cfg.linear_num_value_heads // tp
+            keys = sorted({h * cfg.linear_num_key_heads // cfg.linear_num_value_heads for h in range(r * hv, (r + 1) * hv)})
+            want = np.concatenate([q[:, [c for h in keys for c in range(h * dk, (h + 1) * dk)]],
+                                   k[:, [c for h in keys for c in range(h * dk, (h + 1) * dk)]],
+                                   v[:, r * hv * dv:(r + 1) * hv * dv]], axis=-1)
+            np.testing.assert_array_equal(per_device[r], want)
+        np.testing.assert_array_equal(conv_to_canonical(laid, cfg, tp), conv)
+    pages = rng.standard_normal((cfg.num_key_value_heads, 3, 16, cfg.head_dim)).astype(np.float32)
+    wide = kv_from_canonical(pages, cfg, 4)                    # 2 KV heads over 4 devices: each twice, in place
+    np.testing.assert_array_equal(wide, pages[[0, 0, 1, 1]])
+    np.testing.assert_array_equal(kv_to_canonical(wide, cfg, 4), pages)
+    np.testing.assert_array_equal(kv_from_canonical(pages, cfg, 2), pages)
+
+
+def test_refusals_say_why_and_an_aborted_transfer_releases_its_blocks(tiny_checkpoint):
+    import dataclasses
+
+    from qnext import SamplingParams
+    from qnext.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(tiny_checkpoint("qwen3_5"), max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128,
+                       block_size=16, num_gpu_blocks_override=32)
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(3, 40))}
+    with pytest.raises(ValueError, match="n=1"):
+        engine.add_prefill_request("two", prompt, SamplingParams(n=2, max_tokens=3))
+    engine.add_prefill_request("a", prompt, greedy)
+    while engine.has_unfinished_requests():
+        engine.step()
+    bundle = engine.take_prefill_bundle("a")
+    assert engine.take_prefill_bundle("a") is None                     # taken once
+    with pytest.raises(ValueError, match="is not this request's"):
+        engine.add_transferred_request("b", {"prompt_token_ids": list(range(4, 41))}, greedy, bundle)
+    other = dataclasses.replace(bundle, meta={**bundle.meta, "layout": {**bundle.meta["layout"], "block_size": 8}})
+    with pytest.raises(ValueError, match="block_size=8"):
+        engine.add_transferred_request("b", prompt, greedy, other)
+    free = engine.cache.manager.num_free_blocks
+    engine.add_transferred_request("b", prompt, greedy, bundle)        # holds its 2 cached full blocks
+    assert engine.cache.manager.num_free_blocks == free - 2
+    engine.abort_request("b")
+    assert engine.cache.manager.num_free_blocks == free
