@@ -10,7 +10,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from qnext.server.admission import Admission
-from qnext.server.media import MediaLimits
 from qnext.server.agent_serving import AgentServing
 from qnext.server.auth import APIKeyMiddleware
 from qnext.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
@@ -18,6 +17,7 @@ from qnext.server.engine_loop import AsyncEngine
 from qnext.server.errors import install_error_handlers
 from qnext.server.metrics import CONTENT_TYPE, ServerMetrics, cache_usage
 from qnext.server.serving import OpenAIServing
+from qnext.vision.media import MediaLimits
 
 
 def build_async_engine(engine, *, max_waiting_requests: int, model_name: str,

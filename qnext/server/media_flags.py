@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from qnext.server.media import MediaLimits
+from qnext.vision.media import MediaLimits
 
 _DEFAULT = MediaLimits()
 

@@ -27,14 +27,12 @@ _CAUSAL_LM = {
     "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
 }
 _VLM = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
-_TINY_VISION_IDS = {"image_token_id": 500, "video_token_id": 501, "vision_start_token_id": 502,
-                    "vision_end_token_id": 503}
 _QWEN35_VISION_IDS = {"image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053,
                       "vision_end_token_id": 248054}
 DEMO_FAMILY = "qwen3_5_moe"
 # Room for a prompt with tool schemas (the tiny tokenizer spends ~3 characters a token on JSON).
 DEMO_MAX_POSITIONS = 2048
-_DEMO_VERSION = 2  # bump when the demo recipe changes so cached demos are rebuilt
+_DEMO_VERSION = 3  # bump when the demo recipe changes so cached demos are rebuilt (3: the tiny vision tower)
 
 
 def tiny_hf_config(family: str, **overrides: Any) -> dict[str, Any]:
@@ -118,13 +116,15 @@ def write_tiny_checkpoint(
     np_dtype = as_dtype(dtype)
     text = tiny_hf_config(family, tie_word_embeddings=tie_word_embeddings, dtype=np_dtype.name, **config_overrides)
     if vlm:
+        from qnext.testing.tiny_tokenizer import tiny_vision_token_ids
+
         vision = dict(TINY_VISION, out_hidden_size=text["hidden_size"], model_type=f"{family}_vision")
         config = {
             "architectures": [_VLM[family]],
             "model_type": family,
             "text_config": {k: v for k, v in text.items() if k != "architectures"},
             "vision_config": vision,
-            **(_QWEN35_VISION_IDS if tokenizer == "qwen3.5" else _TINY_VISION_IDS),
+            **(_QWEN35_VISION_IDS if tokenizer == "qwen3.5" else tiny_vision_token_ids(text["vocab_size"])),
             "tie_word_embeddings": tie_word_embeddings,
             "dtype": np_dtype.name,
         }
@@ -156,7 +156,8 @@ def write_tiny_checkpoint(
 
 
 def demo_checkpoint_dir(root: str | Path | None = None) -> Path:
-    """The tiny demo checkpoint (built once; `~/.cache/qnext/demo` unless `root` is given)."""
+    """The tiny demo checkpoint (built once; `~/.cache/qnext/demo` unless `root` is given): Qwen3.5-MoE's
+    vision-language layout with the tiny tower (qnext/testing/tiny_vision.py), so it reads text and pictures."""
     root = Path(root) if root is not None else Path.home() / ".cache" / "qnext" / "demo"
     path = root / f"{DEMO_FAMILY}-v{_DEMO_VERSION}"
     if (path / "config.json").exists():
@@ -164,7 +165,7 @@ def demo_checkpoint_dir(root: str | Path | None = None) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
     try:
-        write_tiny_checkpoint(tmp, DEMO_FAMILY, seed=0, max_position_embeddings=DEMO_MAX_POSITIONS)
+        write_tiny_checkpoint(tmp, DEMO_FAMILY, seed=0, vlm=True, max_position_embeddings=DEMO_MAX_POSITIONS)
         os.replace(tmp, path)  # atomic: readers never see a half-written demo
     except OSError:
         if not (path / "config.json").exists():

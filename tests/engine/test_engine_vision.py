@@ -9,13 +9,14 @@ import pytest
 
 import qnext
 from qnext import SamplingParams
-from tests.support.vision_checkpoint import picture, without_tower, write_vision_checkpoint
+from qnext.testing.tiny_tokenizer import tiny_vision_token_ids
+from tests.support.vision_checkpoint import data_url, picture, without_tower, write_vision_checkpoint
 
 BS = 16
 ENGINE = dict(max_num_seqs=2, max_num_batched_tokens=128, max_model_len=512, block_size=BS,
               num_gpu_blocks_override=64, max_num_snapshots=16)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
-VS, VE, PAD = 502, 503, 500       # the tiny checkpoint's vision_start, vision_end, image pad ids
+VS, VE, PAD = (tiny_vision_token_ids()[k] for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id"))
 
 
 def image_prompt(text: list[int], images: list, tail: list[int], tokens_per_image: int = 16) -> dict:
@@ -113,3 +114,24 @@ def test_a_picture_split_over_prefill_steps_gives_the_one_step_result(llm, cold_
 def test_text_only_checkpoint_refuses_a_picture_saying_why(text_llm):
     with pytest.raises(ValueError, match="no vision tower"):
         text_llm.generate(image_prompt([1, 2, 3], [picture(1)], [4]), GREEDY)
+    with pytest.raises(ValueError, match=r"messages\.0\.content\.0: .*no vision tower"):
+        text_llm.chat([{"role": "user", "content": [{"type": "image", "image": picture(1)}]}], GREEDY)
+
+
+def test_chat_with_a_picture_equals_generate_with_it_and_the_second_call_hits_the_cache(llm, cold_split_llm):
+    image = picture(11, 40, 24)
+    parts = [{"type": "text", "text": "Look at this: "}, {"type": "image_url", "image_url": {"url": data_url(image)}},
+             {"type": "text", "text": " What is it?"}]
+    text = ("<|im_start|>user\nLook at this: <|vision_start|><|image_pad|><|vision_end|> What is it?<|im_end|>\n"
+            "<|im_start|>assistant\n")
+    cold = cold_split_llm.generate({"prompt": text, "multi_modal_data": {"image": [image]}}, GREEDY)[0]
+    runs = llm.engine.stats.num_tower_runs
+    first = llm.chat([{"role": "user", "content": parts}], GREEDY)[0]
+    assert first.prompt_token_ids == cold.prompt_token_ids and first.prompt_token_ids.count(PAD) == 15
+    assert first.outputs[0].token_ids == cold.outputs[0].token_ids
+    np.testing.assert_allclose(logprobs(first), logprobs(cold), atol=1e-5)
+    parts[1] = {"type": "image", "image": np.asarray(image)}           # the same pixels as an array
+    second = llm.chat([{"role": "user", "content": parts}], GREEDY)[0]
+    n = len(cold.prompt_token_ids)
+    assert second.num_cached_tokens == (n - 1) // BS * BS and llm.engine.stats.num_tower_runs == runs + 1
+    assert second.outputs[0].token_ids == cold.outputs[0].token_ids
