@@ -135,3 +135,22 @@ def test_chat_with_a_picture_equals_generate_with_it_and_the_second_call_hits_th
     n = len(cold.prompt_token_ids)
     assert second.num_cached_tokens == (n - 1) // BS * BS and llm.engine.stats.num_tower_runs == runs + 1
     assert second.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
+def test_decode_after_a_picture_runs_multi_step_windows_as_single_steps(paths, llm, cold_split_llm):
+    """Positions after a picture are text positions + the sequence's MRoPE delta (here 6 - 30 = -24) on all three
+    axes, advanced on device inside a multi-step window: the same draws as one step a call, and the KV the windows
+    wrote scores the next turn (a prefix hit) as a cold run does."""
+    multi = qnext.LLM(paths[0], **dict(ENGINE, num_scheduler_steps=4))
+    prompt = image_prompt([5, 6, 7], [picture(13, 48, 40)], [8, 9], tokens_per_image=30)     # 37 tokens
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)
+    one = llm.generate(prompt, params)[0]
+    stats = multi.engine.stats
+    many = multi.generate(prompt, params)[0]
+    assert many.outputs[0].token_ids == one.outputs[0].token_ids
+    assert stats.num_model_steps > stats.num_steps       # decode ran in windows of several steps
+    follow = dict(prompt, prompt_token_ids=prompt["prompt_token_ids"] + list(many.outputs[0].token_ids) + [40, 41])
+    warm, cold = multi.generate(follow, GREEDY)[0], cold_split_llm.generate(follow, GREEDY)[0]
+    assert warm.num_cached_tokens == 48                  # block 2 holds 11 tokens decoded in windows
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    np.testing.assert_allclose(logprobs(warm), logprobs(cold), atol=1e-4)
