@@ -9,13 +9,13 @@ key and that position, so the tokens are those single steps draw. Rows whose sam
 
 Positions, kv lengths and KV slots advance on device from the block table, which the host has extended beforehand
 for every token a row may run; so do the MRoPE positions of a sequence with pictures (step 0's, token index + the
-sequence's position delta on all three axes, laid out by the runner's visual encoder). A row stops running after `steps[i]` tokens (its max_tokens / max_model_len budget,
-capped by the blocks it holds) or after the token that stops it (an EOS or stop token id, as check_stop; a row still
-short of min_tokens has those ids suppressed and does not come here): from then on it is a padding row, which writes
-no state, conv row or capture, and its KV goes to the dummy block. The host replays the same stop checks on the
-returned tokens, so no token past a stop is kept. Snapshot captures at block boundaries happen in the step that
-computes the boundary's last token, into the row the host passed for that step. The loop ends early once no row
-runs.
+sequence's position delta on all three axes, laid out by the runner's visual encoder). A row stops running after
+`steps[i]` tokens (its max_tokens / max_model_len budget, capped by the blocks it holds) or after the token that
+stops it (an EOS or stop token id, as check_stop; a row still short of min_tokens has those ids suppressed and does
+not come here): from then on it is a padding row, which writes no state, conv row or capture, and its KV goes to
+the dummy block. The host replays the same stop checks on the returned tokens, so no token past a stop is kept.
+Snapshot captures at block boundaries happen in the step that computes the boundary's last token, into the row the
+host passed for that step. The loop ends early once no row runs.
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ def vision_setup(model: Path, params, *, preprocess_only: bool = False) -> Visio
     """The checkpoint's tower: its configs and preprocessing with `params`, the tower's weights as
     load_checkpoint(..., with_vision=True) placed them (None, and None back, for a text-only checkpoint).
     preprocess_only: the configs and preprocessing without weights (params None), for a process that prepares
-    requests for a tower that runs in another (a data parallel replica's); None for a checkpoint with no vision_config."""
+    requests for a tower that runs in another (a data parallel replica's); None without a vision_config."""
     configs = vision_configs(json.loads((Path(model) / "config.json").read_text()))
     if configs is None or (params is None and not preprocess_only):
         return None

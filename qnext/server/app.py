@@ -41,7 +41,7 @@ def build_app(engine, *, model_name: str, aliases: Sequence[str] = (), max_waiti
     tool_call_parser / reasoning_parser: parser names (None: chosen from the chat template; "none": off). With
     `api_key`, /v1 routes want it (auth.py); bodies past `max_request_bytes` get 413 (body_limit.py).
     `async_engine` and `metrics` replace the one engine loop (data parallelism: qnext/server/data_parallel.py).
-    media_limits: pictures per request, bytes, pixels, URL fetching (server/media.py)."""
+    media_limits: pictures per request, bytes, pixels, URL fetching (qnext/vision/media.py)."""
     if async_engine is None:
         async_engine, metrics = build_async_engine(engine, max_waiting_requests=max_waiting_requests,
                                                    model_name=model_name)

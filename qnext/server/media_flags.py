@@ -1,4 +1,4 @@
-"""`qnext serve` flags for pictures in requests (server/media.py's MediaLimits), vLLM's name where it has one."""
+"""`qnext serve` flags for pictures in requests (qnext/vision/media.py's MediaLimits), vLLM's name where it has one."""
 from __future__ import annotations
 
 import argparse

@@ -1,6 +1,6 @@
 """A chat's pictures, from the parts the APIs sent to what the engine takes: decoded within the server's limits
-(media.py), preprocessed for the served checkpoint's tower, and the rendered prompt's placeholders expanded to one
-pad per merged patch. A checkpoint without a tower answers a picture with a 400 that says so."""
+(qnext/vision/media.py), preprocessed for the served checkpoint's tower, and the rendered prompt's placeholders
+expanded to one pad per merged patch. A checkpoint without a tower answers a picture with a 400 that says so."""
 from __future__ import annotations
 
 from qnext.engine.visual_intake import NO_TOWER

@@ -68,7 +68,8 @@ def openai_part_media(part: dict, where: str) -> MediaPart | None:
 
 
 def decode_media(parts: list[MediaPart], limits: MediaLimits) -> tuple[list[Image.Image], list[list[Image.Image]]]:
-    """(images, videos as frame lists), decoded in order; a MediaError naming the part on any limit or decoding error."""
+    """(images, videos as frame lists), decoded in order; a MediaError naming the part on any limit or decoding
+    error."""
     images = [p for p in parts if p.kind == "image"]
     videos = [p for p in parts if p.kind == "video"]
     if len(images) > limits.max_images:
