@@ -154,3 +154,24 @@ def test_decode_after_a_picture_runs_multi_step_windows_as_single_steps(paths, l
     assert warm.num_cached_tokens == 48                  # block 2 holds 11 tokens decoded in windows
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
     np.testing.assert_allclose(logprobs(warm), logprobs(cold), atol=1e-4)
+
+
+def test_mtp_windows_run_sequences_with_pictures_as_plain_decoding(tmp_path_factory, llm):
+    """The verify window of a sequence with pictures rotates by token index + its MRoPE delta: greedy tokens and
+    logprobs equal plain decoding's (llm: the same seed's weights, no head), and speculative steps ran."""
+    import jax
+
+    from qnext.config import ModelConfig
+    from qnext.model.loader import load_params
+    from qnext.model.mtp import init_mtp_params, save_mtp_params
+
+    path = write_vision_checkpoint(tmp_path_factory.mktemp("vlm-mtp"), seed=3)
+    cfg = ModelConfig.from_pretrained(path)
+    save_mtp_params(path, init_mtp_params(load_params(path, cfg), cfg, jax.random.key(1)), cfg)
+    spec = qnext.LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **ENGINE)
+    prompt = image_prompt([5, 6, 7], [picture(13, 48, 40)], [8, 9], tokens_per_image=30)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    want, got = llm.generate(prompt, params)[0], spec.generate(prompt, params)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    np.testing.assert_allclose(logprobs(got), logprobs(want), atol=1e-4)
+    assert spec.engine.stats.num_spec_rows > 0
