@@ -155,10 +155,10 @@ def stream_one(llm, prompt, params, stats: Stats) -> str:
     return "".join(text)
 
 
-def chat(llm, args, turns, stats: Stats) -> None:
+def chat(llm, args, turns, stats: Stats, pictures: list[dict]) -> None:
+    """pictures: content parts for the first user turn (image_parts)."""
     messages = [{"role": "system", "content": args.system}] if args.system else []
     params = sampling_params(args)
-    pictures = image_parts(args.image)
     for user in turns:
         messages.append({"role": "user", "content": pictures + [{"type": "text", "text": user}] if pictures else user})
         pictures = []
@@ -197,17 +197,18 @@ def interactive_turns():
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    pictures = image_parts(args.image)             # before loading: a bad path fails at once
     llm, model = build_llm(args)
     print(f"model: {model} ({llm.engine.model_config.model_type}, {llm.engine.config.dtype})")
     stats = Stats()
     if args.prompt is not None and args.raw:
         stream_one(llm, args.prompt, sampling_params(args), stats)
     elif args.prompt is not None:
-        chat(llm, args, [args.prompt], stats)
+        chat(llm, args, [args.prompt], stats, pictures)
     elif args.chat:
-        chat(llm, args, interactive_turns(), stats)
+        chat(llm, args, interactive_turns(), stats, pictures)
     else:
-        chat(llm, args, DEMO_TURNS, stats)
+        chat(llm, args, DEMO_TURNS, stats, pictures)
     print(stats.line(llm))
     return 0
 
