@@ -146,7 +146,7 @@ def write_tiny_checkpoint(
     if vlm:
         _write_json(out / "preprocessor_config.json", TINY_IMAGE_PREPROCESSING)
     _write_safetensors(out, tensors, num_shards)
-    tokenizer_eos = _write_tokenizer(out, cfg.vocab_size, chat_template, tokenizer)
+    tokenizer_eos = _write_tokenizer(out, cfg.vocab_size, chat_template, tokenizer, vlm)
     # As in Qwen releases, generation stops at the config's eos and at the tokenizer's end-of-turn token.
     eos = list(cfg.eos_token_ids) + ([tokenizer_eos] if tokenizer_eos not in cfg.eos_token_ids else [])
     generation = {"bos_token_id": text["bos_token_id"], "eos_token_id": eos, "pad_token_id": text["pad_token_id"],
@@ -275,8 +275,9 @@ def _write_safetensors(out: Path, tensors: dict[str, np.ndarray], num_shards: in
     _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
-def _write_tokenizer(out: Path, vocab_size: int, chat_template: str | None, tokenizer: str) -> int:
-    """Writes the tokenizer files; returns the tokenizer's end-of-turn token id."""
+def _write_tokenizer(out: Path, vocab_size: int, chat_template: str | None, tokenizer: str, vision: bool) -> int:
+    """Writes the tokenizer files (the tiny one with the vision tokens for a VLM); returns the tokenizer's
+    end-of-turn token id."""
     if tokenizer == "qwen3.5":
         from qnext.testing.qwen_tokenizer import QWEN35_EOS_TOKEN_IDS, write_qwen35_tokenizer
         from qnext.testing.tiny_tokenizer import TINY_CHAT_TEMPLATE
@@ -290,5 +291,5 @@ def _write_tokenizer(out: Path, vocab_size: int, chat_template: str | None, toke
             "qnext.testing.tiny_tokenizer.write_tiny_tokenizer is needed to write the tiny checkpoint's tokenizer "
             f"files ({e})"
         ) from e
-    write_tiny_tokenizer(out, vocab_size, **({"chat_template": chat_template} if chat_template else {}))
+    write_tiny_tokenizer(out, vocab_size, vision=vision, **({"chat_template": chat_template} if chat_template else {}))
     return tiny_eos_token_id(vocab_size)
