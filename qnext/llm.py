@@ -5,6 +5,7 @@ import itertools
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from qnext.chat_pictures import take_pictures
 from qnext.engine.llm_engine import LLMEngine, Prompt
 from qnext.engine.visual_intake import visual_prompt
 from qnext.outputs import RequestOutput
@@ -100,10 +101,20 @@ class LLM:
 
     def chat(self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | None = None,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """Renders each conversation with the checkpoint's chat template, then generates."""
+        """Renders each conversation with the checkpoint's chat template, then generates. Messages may hold
+        pictures: OpenAI's image_url / video_url content parts (data URLs), or PIL images and numpy arrays
+        (qnext/chat_pictures.py)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.render_chat(conv, add_generation_prompt, chat_template_kwargs) for conv in conversations]
+        prompts = [self.chat_prompt(conv, add_generation_prompt, chat_template_kwargs) for conv in conversations]
         return self.generate(prompts, sampling_params)
+
+    def chat_prompt(self, messages: Messages, add_generation_prompt: bool = True,
+                    chat_template_kwargs: dict | None = None) -> Prompt:
+        """A conversation as a prompt for generate / stream: the rendered text, or, when its messages hold pictures,
+        {"prompt": text with each picture's placeholder, "multi_modal_data": the pictures}."""
+        messages, multi_modal_data = take_pictures(messages, self.engine.vision)
+        text = self.render_chat(messages, add_generation_prompt, chat_template_kwargs)
+        return text if multi_modal_data is None else {"prompt": text, "multi_modal_data": multi_modal_data}
 
     def render_chat(self, messages: Messages, add_generation_prompt: bool = True,
                     chat_template_kwargs: dict | None = None) -> str:

@@ -3,6 +3,7 @@
     python scripts/generate.py                         # demo: a two-turn chat on the built-in tiny checkpoint
     python scripts/generate.py --model DIR --prompt "Hello"
     python scripts/generate.py --model DIR --chat      # interactive multi-turn chat (empty line or Ctrl-D ends)
+    python scripts/generate.py --image photo.png --prompt "What is in this picture?"   # the demo reads pictures too
     # two processes, one engine over both processes' devices (run once per rank; rank 0 prints):
     python scripts/generate.py --model DIR --prompt "Hi" --tensor-parallel-size 4 --nnodes 2 --node-rank R \
         --dist-init-addr 127.0.0.1:29500
@@ -35,6 +36,9 @@ def parse_args(argv=None):
     p.add_argument("--chat", action="store_true", help="interactive multi-turn chat")
     p.add_argument("--raw", action="store_true", help="send --prompt as is, without the chat template")
     p.add_argument("--system", help="system message for chat")
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="a picture for the (first) user turn, before its text (repeatable; a vision-language "
+                        "checkpoint such as the demo)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=0.95)
@@ -59,6 +63,8 @@ def parse_args(argv=None):
                    help="split the MoE experts over the tensor-parallel devices instead of their units")
     add_distributed_flags(p)
     args = p.parse_args(argv)
+    if args.image and args.raw:
+        p.error("--image goes into a chat turn; drop --raw")
     if args.nnodes > 1 and args.chat:
         p.error("--chat reads the terminal in one process; with --nnodes > 1 use --prompt (every process runs it)")
     return args
@@ -149,16 +155,33 @@ def stream_one(llm, prompt, params, stats: Stats) -> str:
     return "".join(text)
 
 
-def chat(llm, args, turns, stats: Stats) -> None:
+def chat(llm, args, turns, stats: Stats, pictures: list[dict]) -> None:
+    """pictures: content parts for the first user turn (image_parts)."""
     messages = [{"role": "system", "content": args.system}] if args.system else []
     params = sampling_params(args)
     for user in turns:
-        messages.append({"role": "user", "content": user})
+        messages.append({"role": "user", "content": pictures + [{"type": "text", "text": user}] if pictures else user})
+        pictures = []
         if turns is DEMO_TURNS:
             print(f"\nuser> {user}")
         print("assistant> ", end="", flush=True)
-        reply = stream_one(llm, llm.render_chat(messages), params, stats)
+        reply = stream_one(llm, llm.chat_prompt(messages), params, stats)
         messages.append({"role": "assistant", "content": reply})
+
+
+def image_parts(paths: list[str]) -> list[dict]:
+    """Content parts of the pictures at `paths` (decoded here: a path that is not a picture fails now, by name)."""
+    from PIL import Image
+
+    parts = []
+    for path in paths:
+        try:
+            image = Image.open(path)
+            image.load()
+        except OSError as e:
+            raise SystemExit(f"--image {path}: {e}") from None
+        parts.append({"type": "image", "image": image})
+    return parts
 
 
 def interactive_turns():
@@ -174,16 +197,18 @@ def interactive_turns():
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    pictures = image_parts(args.image)             # before loading: a bad path fails at once
     llm, model = build_llm(args)
     print(f"model: {model} ({llm.engine.model_config.model_type}, {llm.engine.config.dtype})")
     stats = Stats()
-    if args.prompt is not None:
-        prompt = args.prompt if args.raw else llm.render_chat([{"role": "user", "content": args.prompt}])
-        stream_one(llm, prompt, sampling_params(args), stats)
+    if args.prompt is not None and args.raw:
+        stream_one(llm, args.prompt, sampling_params(args), stats)
+    elif args.prompt is not None:
+        chat(llm, args, [args.prompt], stats, pictures)
     elif args.chat:
-        chat(llm, args, interactive_turns(), stats)
+        chat(llm, args, interactive_turns(), stats, pictures)
     else:
-        chat(llm, args, DEMO_TURNS, stats)
+        chat(llm, args, DEMO_TURNS, stats, pictures)
     print(stats.line(llm))
     return 0
 

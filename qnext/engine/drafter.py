@@ -38,10 +38,11 @@ class Drafter:
         s = bucket.sizes
         windows = [[it.segment.token_ids[0]] + window.drafts[i, :window.steps[i] - 1].tolist()
                    for i, it in enumerate(items)]
-        return verify_inputs(windows, [it.segment.read_row for it in items], [it.segment.write_row for it in items],
-                             [it.segment.block_table for it in items], [it.start for it in items], s.num_decode,
-                             window_length(self.num_speculative_tokens, self.cfg.backend), s.max_blocks,
-                             self.config.block_size)
+        length = window_length(self.num_speculative_tokens, self.cfg.backend)
+        inputs = verify_inputs(windows, [it.segment.read_row for it in items], [it.segment.write_row for it in items],
+                               [it.segment.block_table for it in items], [it.start for it in items], s.num_decode,
+                               length, s.max_blocks, self.config.block_size)
+        return _with_mrope_delta(inputs, items, windows, length)
 
     def run(self, params, buffers: CacheBuffers, inputs: StepInputs, window: WindowInputs,
             sampling: SamplingTensors | None, num_logprobs: int | None):
@@ -93,3 +94,18 @@ class Drafter:
         if self._kv_catch_up is not None and self.config.speculation_disabled_at(s.num_logits):
             buffers = self._kv_catch_up(params, self.mtp, buffers, inputs, next_ids, hidden)
         return buffers
+
+
+def _with_mrope_delta(inputs: StepInputs, items: list[ScheduledSequence], windows: list[list[int]],
+                      length: int) -> StepInputs:
+    """The verify layout with MRoPE positions when a row's sequence has pictures: its window's tokens are text past
+    the prompt, at token index + the sequence's position delta on all three axes (the target's layers and the
+    head's slots rotate by them; the head's later drafts in the chain go by token index, which only costs
+    acceptance). Unchanged for text-only rows."""
+    if all(it.seq.visuals is None for it in items):
+        return inputs
+    rope = np.broadcast_to(np.asarray(inputs.positions, np.int32), (3, inputs.positions.shape[0])).copy()
+    for i, (it, window) in enumerate(zip(items, windows)):
+        if it.seq.visuals is not None:
+            rope[:, i * length:i * length + len(window)] += it.seq.visuals.delta
+    return inputs.replace(rope_positions=rope)

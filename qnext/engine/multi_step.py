@@ -8,13 +8,14 @@ key and that position, so the tokens are those single steps draw. Rows whose sam
 (logprobs, penalties, suppressed ids) or stop strings do not come here.
 
 Positions, kv lengths and KV slots advance on device from the block table, which the host has extended beforehand
-for every token a row may run. A row stops running after `steps[i]` tokens (its max_tokens / max_model_len budget,
-capped by the blocks it holds) or after the token that stops it (an EOS or stop token id, as check_stop; a row still
-short of min_tokens has those ids suppressed and does not come here): from then on it is a padding row, which writes
-no state, conv row or capture, and its KV goes to the dummy block. The host replays the same stop checks on the
-returned tokens, so no token past a stop is kept. Snapshot captures at block boundaries happen in the step that
-computes the boundary's last token, into the row the host passed for that step. The loop ends early once no row
-runs.
+for every token a row may run; so do the MRoPE positions of a sequence with pictures (step 0's, token index + the
+sequence's position delta on all three axes, laid out by the runner's visual encoder). A row stops running after
+`steps[i]` tokens (its max_tokens / max_model_len budget, capped by the blocks it holds) or after the token that
+stops it (an EOS or stop token id, as check_stop; a row still short of min_tokens has those ids suppressed and does
+not come here): from then on it is a padding row, which writes no state, conv row or capture, and its KV goes to
+the dummy block. The host replays the same stop checks on the returned tokens, so no token past a stop is kept.
+Snapshot captures at block boundaries happen in the step that computes the boundary's last token, into the row the
+host passed for that step. The loop ends early once no row runs.
 """
 from __future__ import annotations
 
@@ -45,8 +46,11 @@ def _step_inputs(first: StepInputs, k, tokens, running, capture_row, block_size:
     blocks = table[rows, jnp.minimum(positions // block_size, table.shape[1] - 1)]
     slots = jnp.where(running, blocks * block_size + positions % block_size, 0)
     read_row = jnp.where(k == 0, dec.read_row, dec.write_row)          # after step 0 each row reads its own row
+    # a row of a sequence with pictures carries its MRoPE delta: text positions + delta on all three axes
+    rope = None if first.rope_positions is None else first.rope_positions + k
     return dataclasses.replace(
         first, token_ids=jnp.where(k == 0, first.token_ids, tokens), positions=positions, slot_mapping=slots,
+        rope_positions=rope,
         decode=dataclasses.replace(dec, kv_len=dec.kv_len + k, read_row=jnp.where(running, read_row, -1),
                                    write_row=jnp.where(running, dec.write_row, 0),
                                    capture_row=jnp.where(running, capture_row, 0)))

@@ -144,6 +144,8 @@ class ModelRunner:
         d, m = plan.bucket.sizes.num_decode, len(plan.items)
         window = window_inputs(plan.multi, plan.drafts, d, self._window.width)
         inputs = self._window.layout(plan.items, plan.bucket, window)
+        if self.visual_encoder is not None and not plan.speculative:
+            inputs = self.visual_encoder.attach(plan.items, inputs)     # MRoPE positions of rows with pictures
         rows = _sampling_rows(plan.items)       # greedy rows with penalties need their tensors too
         sampling, num_logprobs = (None, None) if self.sampler_inputs.plain_greedy(rows) else \
             self.sampler_inputs.build(rows, d)

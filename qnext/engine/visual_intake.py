@@ -24,11 +24,13 @@ NO_TOWER = ("this model reads text only: its checkpoint has no vision tower (no 
             "tensors); send text, or serve a Qwen3.5 vision-language checkpoint")
 
 
-def vision_setup(model: Path, params) -> VisionSetup | None:
+def vision_setup(model: Path, params, *, preprocess_only: bool = False) -> VisionSetup | None:
     """The checkpoint's tower: its configs and preprocessing with `params`, the tower's weights as
-    load_checkpoint(..., with_vision=True) placed them (None, and None back, for a text-only checkpoint)."""
+    load_checkpoint(..., with_vision=True) placed them (None, and None back, for a text-only checkpoint).
+    preprocess_only: the configs and preprocessing without weights (params None), for a process that prepares
+    requests for a tower that runs in another (a data parallel replica's); None without a vision_config."""
     configs = vision_configs(json.loads((Path(model) / "config.json").read_text()))
-    if configs is None or params is None:
+    if configs is None or (params is None and not preprocess_only):
         return None
     image, video = load_preprocess_configs(model)
     return VisionSetup(configs[0], configs[1], image, video, params)

@@ -35,11 +35,12 @@ class Work:
 def multi_step_ok(work: list[Work], config: EngineConfig, eos_token_ids: Seq[int], vocab_size: int) -> bool:
     """Several decode steps may run in one call when every item decodes (its prompt computed), and its sampling
     needs no per-step host state (no logprobs, penalties or suppressed ids). Stop strings may run: the host appends
-    the tokens one at a time and drops those after a stop string (append_window)."""
+    the tokens one at a time and drops those after a stop string (append_window). Sequences with pictures may run:
+    their MRoPE positions advance on device with the token positions (multi_step.py)."""
     if config.num_scheduler_steps < 2:
         return False
-    return all(w.decodes and w.seq.visuals is None     # (its positions carry the MRoPE delta, laid out per step)
-               and stateless(w.seq.params, len(w.seq.output_token_ids), eos_token_ids, vocab_size) for w in work)
+    return all(w.decodes and stateless(w.seq.params, len(w.seq.output_token_ids), eos_token_ids, vocab_size)
+               for w in work)
 
 
 def speculative_ok(work: list[Work], config: EngineConfig, eos_token_ids: Seq[int], vocab_size: int) -> bool:
@@ -50,7 +51,7 @@ def speculative_ok(work: list[Work], config: EngineConfig, eos_token_ids: Seq[in
     k = config.num_speculative_tokens
     if not k or config.speculation_disabled_at(len(work)):
         return False
-    return all(len(w.seq.draft_token_ids) == k and not w.seq.pending_forks and w.decodes and w.seq.visuals is None
+    return all(len(w.seq.draft_token_ids) == k and not w.seq.pending_forks and w.decodes
                and stateless(w.seq.params, len(w.seq.output_token_ids), eos_token_ids, vocab_size,
                              penalties_ok=True, logprobs_ok=True)
                for w in work)

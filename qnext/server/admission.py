@@ -19,10 +19,10 @@ from qnext.sampling_params import SamplingParams
 from qnext.server.chat_request import ChatInputs, ChatRequest, ChatTranslator
 from qnext.server.engine_loop import AsyncEngine, EngineStepError, EngineStoppedError, QueueFullError
 from qnext.server.errors import APIError, bad_request, engine_error
-from qnext.server.media import MediaLimits
 from qnext.server.pd_serving import PD_REQUEST
 from qnext.server.prompt_bound import PromptBound
 from qnext.server.request_stream import RequestStream
+from qnext.vision.media import MediaLimits
 
 
 def new_request_id(prefix: str) -> str:

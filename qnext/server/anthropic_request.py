@@ -43,7 +43,7 @@ def _text_of_blocks(blocks: Any, param: str) -> str:
 
 
 def _image_part(block: dict, where: str) -> dict:
-    """An Anthropic image block (base64 or url source) as an OpenAI image_url part (server/media.py reads it)."""
+    """An Anthropic image block (base64 or url source) as an OpenAI image_url part (qnext/vision/media.py reads it)."""
     source = block.get("source")
     kind = source.get("type") if isinstance(source, dict) else None
     if kind == "base64":

@@ -10,7 +10,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from qnext.server.admission import Admission
-from qnext.server.media import MediaLimits
 from qnext.server.agent_serving import AgentServing
 from qnext.server.auth import APIKeyMiddleware
 from qnext.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
@@ -19,6 +18,7 @@ from qnext.server.errors import install_error_handlers
 from qnext.server.metrics import CONTENT_TYPE, ServerMetrics, cache_usage
 from qnext.server.pd_serving import install_pd_routes, role_engine
 from qnext.server.serving import OpenAIServing
+from qnext.vision.media import MediaLimits
 
 
 def build_async_engine(engine, *, max_waiting_requests: int, model_name: str,
@@ -43,7 +43,7 @@ def build_app(engine, *, model_name: str, aliases: Sequence[str] = (), max_waiti
     tool_call_parser / reasoning_parser: parser names (None: chosen from the chat template; "none": off). With
     `api_key`, /v1 routes want it (auth.py); bodies past `max_request_bytes` get 413 (body_limit.py).
     `async_engine` and `metrics` replace the one engine loop (data parallelism: qnext/server/data_parallel.py).
-    media_limits: pictures per request, bytes, pixels, URL fetching (server/media.py). pd_role: "prefill" or
+    media_limits: pictures per request, bytes, pixels, URL fetching (qnext/vision/media.py). pd_role: "prefill" or
     "decode", one side of prefill/decode disaggregation (server/pd_serving.py)."""
     if pd_role is not None:
         engine = role_engine(engine, pd_role)

@@ -28,8 +28,8 @@ from qnext.agents.tool_parsers import TOOL_PARSERS
 from qnext.sampling_params import SamplingParams, StructuredOutputsParams
 from qnext.engine.visual_request import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START
 from qnext.server.errors import bad_request
-from qnext.server.media import MediaLimits, MediaPart, openai_part_media
 from qnext.server.pictures import PictureInputs
+from qnext.vision.media import MediaError, MediaLimits, MediaPart, openai_part_media
 
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -280,7 +280,10 @@ def message_text(content: Any, index: int, media: list[MediaPart]) -> str:
     if isinstance(content, list):
         pieces: list[tuple[bool, str]] = []     # (is text, rendered)
         for j, part in enumerate(content):
-            picture = openai_part_media(part, f"messages.{index}.content.{j}") if isinstance(part, dict) else None
+            try:
+                picture = openai_part_media(part, f"messages.{index}.content.{j}") if isinstance(part, dict) else None
+            except MediaError as e:
+                raise bad_request(str(e), e.where) from None
             if picture is not None:
                 media.append(picture)
                 pieces.append((False, VISION_START + (IMAGE_PAD if picture.kind == "image" else VIDEO_PAD)

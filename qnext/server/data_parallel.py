@@ -9,7 +9,10 @@ to the replica holding the longest run of its leading block hashes; with no matc
 A replica whose waiting queue is full passes the request to the next best one, so every request is answered
 while any replica has room. Replicas are threads of this process (`--data-parallel-backend thread`) or processes of
 their own (`process`, the default: replica_process.py; no replica's host work waits on another's GIL); a replica
-that is down is skipped, and the requests it held fail with a 503 that names it. The router's table is what was sent, not what the replica kept: a replica may have
+that is down is skipped, and the requests it held fail with a 503 that names it. A block holding a picture's pads
+is keyed on the picture's content hash, as the engine's cache keys it, so prompts with the same text and other
+pictures share only the blocks before the picture (a process replica runs the tower; the HTTP process only
+preprocesses). The router's table is what was sent, not what the replica kept: a replica may have
 evicted a block since; it then recomputes it, as a single engine would.
 """
 from __future__ import annotations
@@ -17,11 +20,14 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
+from typing import Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 
 from cache.hashing import block_hashes
+from cache.image_keys import ImageSpan
+from qnext.engine.visual_intake import visual_prompt
 from qnext.server.engine_loop import AsyncEngine, EngineSnapshot, EngineStoppedError, QueueFullError
 from qnext.server.metrics import ServerMetrics, cache_usage
 
@@ -49,22 +55,23 @@ class PrefixRouter:
             n += 1
         return n
 
-    def order(self, token_ids: list[int]) -> list[int]:
-        """Replicas best first: the longest cached prefix, then the least loaded (round robin: in turn)."""
+    def order(self, token_ids: list[int], images: Sequence[ImageSpan] = ()) -> list[int]:
+        """Replicas best first: the longest cached prefix, then the least loaded (round robin: in turn). images: the
+        prompt's pictures, keyed into the block hashes as the engine's cache keys them (cache/image_keys.py)."""
         if self.policy == "round_robin":
             first = next(self._next) % self.num_replicas
             return [(first + i) % self.num_replicas for i in range(self.num_replicas)]
-        hashes = block_hashes(token_ids, self.block_size)
+        hashes = block_hashes(token_ids, self.block_size, images=images)
         with self._lock:
             matched = [self.matched_blocks(i, hashes) for i in range(self.num_replicas)]
         loads = [self._load_of(i) for i in range(self.num_replicas)]
         return sorted(range(self.num_replicas), key=lambda i: (-matched[i], loads[i], i))
 
-    def record(self, replica: int, token_ids: list[int]) -> None:
+    def record(self, replica: int, token_ids: list[int], images: Sequence[ImageSpan] = ()) -> None:
         """`replica` now holds the full blocks of token_ids (a prompt sent, or prompt + reply finished)."""
         if self.policy == "round_robin":
             return
-        hashes = block_hashes(token_ids, self.block_size)
+        hashes = block_hashes(token_ids, self.block_size, images=images)
         with self._lock:
             held = self._held[replica]
             for h in hashes:
@@ -92,8 +99,8 @@ class _ReplicaLoop(AsyncEngine):
 class _ReplicaObserver:
     """The replica's metrics observer, plus: a finished request's prompt + reply recorded in the router."""
 
-    def __init__(self, metrics: ServerMetrics, router: PrefixRouter, replica: int, owners: dict):
-        self.metrics, self.router, self.replica, self.owners = metrics, router, replica, owners
+    def __init__(self, metrics: ServerMetrics, router: PrefixRouter, replica: int, owners: dict, images: dict):
+        self.metrics, self.router, self.replica, self.owners, self.images = metrics, router, replica, owners, images
 
     def on_first_token(self, stream) -> None:
         self.metrics.on_first_token(stream)
@@ -101,7 +108,8 @@ class _ReplicaObserver:
     def on_finish(self, stream, out) -> None:
         self.metrics.on_finish(stream, out)
         self.owners.pop(out.request_id, None)
-        self.router.record(self.replica, list(out.prompt_token_ids) + list(out.outputs[0].token_ids))
+        self.router.record(self.replica, list(out.prompt_token_ids) + list(out.outputs[0].token_ids),
+                           self.images.pop(out.request_id, ()))
 
 
 class DataParallelEngine:
@@ -121,10 +129,11 @@ class DataParallelEngine:
         self.replicas: list[AsyncEngine] = []
         self.metrics: list[ServerMetrics] = []
         self._owner: dict[str, AsyncEngine] = {}          # request id -> its replica, until it finishes
+        self._images: dict[str, tuple[ImageSpan, ...]] = {}   # request id -> its pictures' spans, until it finishes
         for i, engine in enumerate(engines):
             holder: list[AsyncEngine] = []
             metrics = ServerMetrics(lambda h=holder: h[0].snapshot(), model_name, labels={"engine": str(i)})
-            observer = _ReplicaObserver(metrics, self.router, i, self._owner)
+            observer = _ReplicaObserver(metrics, self.router, i, self._owner, self._images)
             if replicas is not None:
                 replica = replicas[i]
                 replica.observer = observer
@@ -174,8 +183,11 @@ class DataParallelEngine:
 
     async def add(self, request_id: str, prompt: dict, params):
         token_ids = list(prompt["prompt_token_ids"])
+        images = self._picture_spans(prompt)
+        if images:
+            self._images[request_id] = images    # before it is sent: it may finish before add returns
         error: Exception | None = None
-        for i in self.router.order(token_ids):
+        for i in self.router.order(token_ids, images):
             if not self.replicas[i].is_running:
                 error = error or EngineStoppedError(getattr(self.replicas[i], "down", None)
                                                     or f"data parallel replica {i} is not running")
@@ -187,9 +199,18 @@ class DataParallelEngine:
                 continue
             self._owner[request_id] = self.replicas[i]
             self.routed[i] += 1
-            self.router.record(i, token_ids)
+            self.router.record(i, token_ids, images)
             return stream
+        self._images.pop(request_id, None)
         raise error
+
+    def _picture_spans(self, prompt: dict) -> tuple[ImageSpan, ...]:
+        """Where the prompt's pictures lie, with their content hashes (() for a text prompt): the router keys
+        their blocks on them, so prompts with the same text and other pictures do not share those blocks."""
+        if not prompt.get("multi_modal_data"):
+            return ()
+        _, _, visuals = visual_prompt(prompt, None, self.engine.vision)
+        return visuals.spans if visuals is not None else ()
 
     def render_metrics(self) -> bytes:
         """Every replica's metrics in one exposition, each sample labelled engine="i"."""
@@ -259,6 +280,7 @@ def _build_process_replicas(model, engine_options: dict, args, model_name: str, 
     tokenizer is loaded here for the HTTP side."""
     from pathlib import Path
 
+    from qnext.engine.visual_intake import vision_setup
     from qnext.server.replica_process import ProcessReplica, facade
     from qnext.tokenizer import Tokenizer
 
@@ -274,7 +296,8 @@ def _build_process_replicas(model, engine_options: dict, args, model_name: str, 
     for r, info in zip(replicas, infos):
         logger.info("replica %d ready (pid %d)", r.index, info["pid"])
     tokenizer = Tokenizer.from_pretrained(model) if (Path(model) / "tokenizer.json").is_file() else None
-    engines = [facade(info, tokenizer) for info in infos]
+    vision = vision_setup(model, None, preprocess_only=True) if infos[0]["vision"] else None
+    engines = [facade(info, tokenizer, vision) for info in infos]
     dp = DataParallelEngine(engines, max_waiting_requests=args.max_waiting_requests, model_name=model_name,
                             routing=args.data_parallel_routing, replicas=replicas)
     return engines[0], dp, dp.server_metrics

@@ -1,9 +1,9 @@
-"""`qnext serve` flags for pictures in requests (server/media.py's MediaLimits), vLLM's name where it has one."""
+"""`qnext serve` flags for pictures in requests (qnext/vision/media.py's MediaLimits), vLLM's name where it has one."""
 from __future__ import annotations
 
 import argparse
 
-from qnext.server.media import MediaLimits
+from qnext.vision.media import MediaLimits
 
 _DEFAULT = MediaLimits()
 

@@ -1,12 +1,12 @@
 """A chat's pictures, from the parts the APIs sent to what the engine takes: decoded within the server's limits
-(media.py), preprocessed for the served checkpoint's tower, and the rendered prompt's placeholders expanded to one
-pad per merged patch. A checkpoint without a tower answers a picture with a 400 that says so."""
+(qnext/vision/media.py), preprocessed for the served checkpoint's tower, and the rendered prompt's placeholders
+expanded to one pad per merged patch. A checkpoint without a tower answers a picture with a 400 that says so."""
 from __future__ import annotations
 
 from qnext.engine.visual_intake import NO_TOWER
 from qnext.engine.visual_request import expand_placeholders
 from qnext.server.errors import bad_request
-from qnext.server.media import MediaLimits, MediaPart, decode_media
+from qnext.vision.media import MediaError, MediaLimits, MediaPart, decode_media
 from qnext.vision.preprocess import preprocess_image, preprocess_video
 
 
@@ -19,7 +19,10 @@ class PictureInputs:
         """(the prompt with its placeholders expanded, multi_modal_data of preprocessed inputs)."""
         if self.vision is None:
             raise bad_request(NO_TOWER, media[0].where)
-        images, videos = decode_media(media, self.limits)
+        try:
+            images, videos = decode_media(media, self.limits)
+        except MediaError as e:
+            raise bad_request(str(e), e.where) from None
         try:
             visual_images = [preprocess_image(im, self.vision.image_preprocess) for im in images]
             visual_videos = [preprocess_video(frames, self.vision.video_preprocess.fps, self.vision.video_preprocess)

@@ -187,10 +187,11 @@ class ProcessReplica:
             stream.push(error)
 
 
-def facade(info: dict, tokenizer):
+def facade(info: dict, tokenizer, vision=None):
     """What the HTTP side reads from `async_engine.engine` (Admission, the router), for a replica in another
-    process: the tokenizer (loaded here) and the replica's limits."""
-    return types.SimpleNamespace(tokenizer=tokenizer, max_model_len=info["max_model_len"],
+    process: the tokenizer (loaded here), the picture preprocessing (a VisionSetup without weights: the replica
+    runs the tower) and the replica's limits."""
+    return types.SimpleNamespace(tokenizer=tokenizer, vision=vision, max_model_len=info["max_model_len"],
                                  model_config=types.SimpleNamespace(vocab_size=info["vocab_size"]),
                                  config=types.SimpleNamespace(block_size=info["block_size"]),
                                  cache_sizes=types.SimpleNamespace(num_blocks=info["num_blocks"]))

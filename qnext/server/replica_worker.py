@@ -43,7 +43,7 @@ async def _serve(conn, model: str, engine_options: dict, warm_up: bool) -> None:
     async_engine.start()
     conn.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.model_config.vocab_size,
                          "block_size": engine.config.block_size, "num_blocks": engine.cache_sizes.num_blocks,
-                         "pid": os.getpid()}))
+                         "pid": os.getpid(), "vision": engine.vision is not None}))
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue = asyncio.Queue()
 

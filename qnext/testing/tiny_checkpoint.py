@@ -27,14 +27,12 @@ _CAUSAL_LM = {
     "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
 }
 _VLM = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
-_TINY_VISION_IDS = {"image_token_id": 500, "video_token_id": 501, "vision_start_token_id": 502,
-                    "vision_end_token_id": 503}
 _QWEN35_VISION_IDS = {"image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053,
                       "vision_end_token_id": 248054}
 DEMO_FAMILY = "qwen3_5_moe"
 # Room for a prompt with tool schemas (the tiny tokenizer spends ~3 characters a token on JSON).
 DEMO_MAX_POSITIONS = 2048
-_DEMO_VERSION = 2  # bump when the demo recipe changes so cached demos are rebuilt
+_DEMO_VERSION = 3  # bump when the demo recipe changes so cached demos are rebuilt (3: the tiny vision tower)
 
 
 def tiny_hf_config(family: str, **overrides: Any) -> dict[str, Any]:
@@ -118,13 +116,15 @@ def write_tiny_checkpoint(
     np_dtype = as_dtype(dtype)
     text = tiny_hf_config(family, tie_word_embeddings=tie_word_embeddings, dtype=np_dtype.name, **config_overrides)
     if vlm:
+        from qnext.testing.tiny_tokenizer import tiny_vision_token_ids
+
         vision = dict(TINY_VISION, out_hidden_size=text["hidden_size"], model_type=f"{family}_vision")
         config = {
             "architectures": [_VLM[family]],
             "model_type": family,
             "text_config": {k: v for k, v in text.items() if k != "architectures"},
             "vision_config": vision,
-            **(_QWEN35_VISION_IDS if tokenizer == "qwen3.5" else _TINY_VISION_IDS),
+            **(_QWEN35_VISION_IDS if tokenizer == "qwen3.5" else tiny_vision_token_ids(text["vocab_size"])),
             "tie_word_embeddings": tie_word_embeddings,
             "dtype": np_dtype.name,
         }
@@ -146,7 +146,7 @@ def write_tiny_checkpoint(
     if vlm:
         _write_json(out / "preprocessor_config.json", TINY_IMAGE_PREPROCESSING)
     _write_safetensors(out, tensors, num_shards)
-    tokenizer_eos = _write_tokenizer(out, cfg.vocab_size, chat_template, tokenizer)
+    tokenizer_eos = _write_tokenizer(out, cfg.vocab_size, chat_template, tokenizer, vlm)
     # As in Qwen releases, generation stops at the config's eos and at the tokenizer's end-of-turn token.
     eos = list(cfg.eos_token_ids) + ([tokenizer_eos] if tokenizer_eos not in cfg.eos_token_ids else [])
     generation = {"bos_token_id": text["bos_token_id"], "eos_token_id": eos, "pad_token_id": text["pad_token_id"],
@@ -156,7 +156,8 @@ def write_tiny_checkpoint(
 
 
 def demo_checkpoint_dir(root: str | Path | None = None) -> Path:
-    """The tiny demo checkpoint (built once; `~/.cache/qnext/demo` unless `root` is given)."""
+    """The tiny demo checkpoint (built once; `~/.cache/qnext/demo` unless `root` is given): Qwen3.5-MoE's
+    vision-language layout with the tiny tower (qnext/testing/tiny_vision.py), so it reads text and pictures."""
     root = Path(root) if root is not None else Path.home() / ".cache" / "qnext" / "demo"
     path = root / f"{DEMO_FAMILY}-v{_DEMO_VERSION}"
     if (path / "config.json").exists():
@@ -164,7 +165,7 @@ def demo_checkpoint_dir(root: str | Path | None = None) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
     try:
-        write_tiny_checkpoint(tmp, DEMO_FAMILY, seed=0, max_position_embeddings=DEMO_MAX_POSITIONS)
+        write_tiny_checkpoint(tmp, DEMO_FAMILY, seed=0, vlm=True, max_position_embeddings=DEMO_MAX_POSITIONS)
         os.replace(tmp, path)  # atomic: readers never see a half-written demo
     except OSError:
         if not (path / "config.json").exists():
@@ -274,8 +275,9 @@ def _write_safetensors(out: Path, tensors: dict[str, np.ndarray], num_shards: in
     _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
-def _write_tokenizer(out: Path, vocab_size: int, chat_template: str | None, tokenizer: str) -> int:
-    """Writes the tokenizer files; returns the tokenizer's end-of-turn token id."""
+def _write_tokenizer(out: Path, vocab_size: int, chat_template: str | None, tokenizer: str, vision: bool) -> int:
+    """Writes the tokenizer files (the tiny one with the vision tokens for a VLM); returns the tokenizer's
+    end-of-turn token id."""
     if tokenizer == "qwen3.5":
         from qnext.testing.qwen_tokenizer import QWEN35_EOS_TOKEN_IDS, write_qwen35_tokenizer
         from qnext.testing.tiny_tokenizer import TINY_CHAT_TEMPLATE
@@ -289,5 +291,5 @@ def _write_tokenizer(out: Path, vocab_size: int, chat_template: str | None, toke
             "qnext.testing.tiny_tokenizer.write_tiny_tokenizer is needed to write the tiny checkpoint's tokenizer "
             f"files ({e})"
         ) from e
-    write_tiny_tokenizer(out, vocab_size, **({"chat_template": chat_template} if chat_template else {}))
+    write_tiny_tokenizer(out, vocab_size, vision=vision, **({"chat_template": chat_template} if chat_template else {}))
     return tiny_eos_token_id(vocab_size)

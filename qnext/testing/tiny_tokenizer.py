@@ -10,21 +10,39 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 TINY_EOS_TOKEN = "<|im_end|>"
 TINY_PAD_TOKEN = "<|endoftext|>"
-# The last five ids of the vocabulary, in this order. Only the first three are special (skipped when decoding),
-# as in Qwen's tokenizer where <think> and </think> are plain added tokens.
+# The last ids of the vocabulary, in this order: with `vision`, Qwen3.5's vision tokens (a picture's placeholder and
+# pads, in Qwen's order: vision_start, vision_end, image_pad, video_pad), then the five chat tokens. All but <think>
+# and </think> are special (skipped when decoding; text that does not spell one never encodes to it), as in Qwen's
+# tokenizer where <think> and </think> are plain added tokens. Without `vision` the tokenizer is the text-only one
+# of earlier releases, byte for byte (the text checkpoints' tests keep their token ids).
+TINY_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TINY_ADDED_TOKENS = ("<think>", "</think>")
 _NUM_BYTES = 256
 
-# Qwen3.5's chat format, in a template of our own: tools in the first system turn, XML tool calls, tool results
-# merged into one user turn, reasoning shown only for assistant turns after the last user query. As in
+# Qwen3.5's chat format, in a template of our own: a content list renders as Qwen3.5's does (text parts joined
+# directly; an image part, one with `image` or `image_url` or of type "image", as
+# <|vision_start|><|image_pad|><|vision_end|>; a video part, `video` or type "video", with <|video_pad|>), tools in
+# the first system turn, XML tool calls, tool results merged into one user turn, reasoning shown only for assistant
+# turns after the last user query. As in
 # Qwen3.5-0.8B, thinking is off unless `enable_thinking=true` (the prompt then ends inside `<think>`);
 # `enable_thinking=false` writes the empty think block.
 TINY_CHAT_TEMPLATE = """\
 {%- macro text(content) %}
 {%- if content is string %}{{- content }}
 {%- elif content is none %}
-{%- else %}{{- content | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') }}
+{%- else %}
+{%- for item in content %}
+{%- if 'image' in item or 'image_url' in item or item.type == 'image' %}
+{{- '<|vision_start|><|image_pad|><|vision_end|>' }}
+{%- elif 'video' in item or item.type == 'video' %}
+{{- '<|vision_start|><|video_pad|><|vision_end|>' }}
+{%- elif 'text' in item %}
+{{- item.text }}
+{%- else %}
+{{- raise_exception('Unexpected item type in content.') }}
+{%- endif %}
+{%- endfor %}
 {%- endif %}
 {%- endmacro %}
 {%- set ns = namespace(last_query=-1) %}
@@ -205,18 +223,32 @@ are was were has had been said did made write story answer question help please 
 """
 
 
-def tiny_special_token_ids(vocab_size: int = 512) -> dict[str, int]:
-    """Ids of the five reserved tokens (the last five of the vocabulary)."""
-    names = TINY_SPECIAL_TOKENS + TINY_ADDED_TOKENS
+def _reserved_tokens(vision: bool) -> tuple[str, ...]:
+    return (TINY_VISION_TOKENS if vision else ()) + TINY_SPECIAL_TOKENS + TINY_ADDED_TOKENS
+
+
+def tiny_special_token_ids(vocab_size: int = 512, vision: bool = False) -> dict[str, int]:
+    """Ids of the reserved tokens (the last five of the vocabulary; nine with `vision`)."""
+    names = _reserved_tokens(vision)
     return {name: vocab_size - len(names) + i for i, name in enumerate(names)}
+
+
+def tiny_vision_token_ids(vocab_size: int = 512) -> dict[str, int]:
+    """The config.json entries of a tiny vision-language checkpoint (its tokenizer built with `vision`): image /
+    video pad and vision start / end ids."""
+    ids = tiny_special_token_ids(vocab_size, vision=True)
+    return {"image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+            "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"]}
 
 
 def tiny_eos_token_id(vocab_size: int = 512) -> int:
     return tiny_special_token_ids(vocab_size)[TINY_EOS_TOKEN]
 
 
-def build_tiny_tokenizer(vocab_size: int = 512) -> tokenizers.Tokenizer:
-    num_reserved = len(TINY_SPECIAL_TOKENS) + len(TINY_ADDED_TOKENS)
+def build_tiny_tokenizer(vocab_size: int = 512, vision: bool = False) -> tokenizers.Tokenizer:
+    """vision: with Qwen3.5's four vision tokens (for a vision-language checkpoint)."""
+    reserved = _reserved_tokens(vision)
+    num_reserved = len(reserved)
     if vocab_size < _NUM_BYTES + num_reserved:
         raise ValueError(f"vocab_size must be >= {_NUM_BYTES + num_reserved} (256 bytes + {num_reserved} "
                          f"special tokens), got {vocab_size}")
@@ -228,22 +260,23 @@ def build_tiny_tokenizer(vocab_size: int = 512) -> tokenizers.Tokenizer:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_CORPUS.splitlines(keepends=True) + [_COMMON_WORDS] * 2, trainer=trainer)
     # A corpus too small for the requested size leaves a gap: fill it with reserved (special) tokens so that
-    # the five named tokens keep their fixed ids at the end.
+    # the named tokens keep their fixed ids at the end.
     filler = [f"<|reserved_{i}|>" for i in range(vocab_size - num_reserved - tok.get_vocab_size())]
     tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
-                            for t in filler + list(TINY_SPECIAL_TOKENS)])
+                            for t in filler + [name for name in reserved if name not in TINY_ADDED_TOKENS]])
     tok.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in TINY_ADDED_TOKENS])
     assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), vocab_size)
     return tok
 
 
 def write_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512,
-                         chat_template: str = TINY_CHAT_TEMPLATE) -> None:
+                         chat_template: str = TINY_CHAT_TEMPLATE, vision: bool = False) -> None:
     """Writes tokenizer.json and tokenizer_config.json (Qwen3.5-style template unless another is given, eos
-    <|im_end|>, pad <|endoftext|>) to out_dir. The same arguments always give byte-identical files."""
+    <|im_end|>, pad <|endoftext|>; with `vision`, Qwen3.5's vision tokens) to out_dir. The same arguments always
+    give byte-identical files."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok = build_tiny_tokenizer(vocab_size)
+    tok = build_tiny_tokenizer(vocab_size, vision)
     (out_dir / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
     added = {str(i): {"content": t.content, "lstrip": False, "normalized": False, "rstrip": False,
                       "single_word": False, "special": t.special}

@@ -9,13 +9,14 @@ import pytest
 
 import qnext
 from qnext import SamplingParams
-from tests.support.vision_checkpoint import picture, without_tower, write_vision_checkpoint
+from qnext.testing.tiny_tokenizer import tiny_vision_token_ids
+from tests.support.vision_checkpoint import data_url, picture, without_tower, write_vision_checkpoint
 
 BS = 16
 ENGINE = dict(max_num_seqs=2, max_num_batched_tokens=128, max_model_len=512, block_size=BS,
               num_gpu_blocks_override=64, max_num_snapshots=16)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
-VS, VE, PAD = 502, 503, 500       # the tiny checkpoint's vision_start, vision_end, image pad ids
+VS, VE, PAD = (tiny_vision_token_ids()[k] for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id"))
 
 
 def image_prompt(text: list[int], images: list, tail: list[int], tokens_per_image: int = 16) -> dict:
@@ -113,3 +114,64 @@ def test_a_picture_split_over_prefill_steps_gives_the_one_step_result(llm, cold_
 def test_text_only_checkpoint_refuses_a_picture_saying_why(text_llm):
     with pytest.raises(ValueError, match="no vision tower"):
         text_llm.generate(image_prompt([1, 2, 3], [picture(1)], [4]), GREEDY)
+    with pytest.raises(ValueError, match=r"messages\.0\.content\.0: .*no vision tower"):
+        text_llm.chat([{"role": "user", "content": [{"type": "image", "image": picture(1)}]}], GREEDY)
+
+
+def test_chat_with_a_picture_equals_generate_with_it_and_the_second_call_hits_the_cache(llm, cold_split_llm):
+    image = picture(11, 40, 24)
+    parts = [{"type": "text", "text": "Look at this: "}, {"type": "image_url", "image_url": {"url": data_url(image)}},
+             {"type": "text", "text": " What is it?"}]
+    text = ("<|im_start|>user\nLook at this: <|vision_start|><|image_pad|><|vision_end|> What is it?<|im_end|>\n"
+            "<|im_start|>assistant\n")
+    cold = cold_split_llm.generate({"prompt": text, "multi_modal_data": {"image": [image]}}, GREEDY)[0]
+    runs = llm.engine.stats.num_tower_runs
+    first = llm.chat([{"role": "user", "content": parts}], GREEDY)[0]
+    assert first.prompt_token_ids == cold.prompt_token_ids and first.prompt_token_ids.count(PAD) == 15
+    assert first.outputs[0].token_ids == cold.outputs[0].token_ids
+    np.testing.assert_allclose(logprobs(first), logprobs(cold), atol=1e-5)
+    parts[1] = {"type": "image", "image": np.asarray(image)}           # the same pixels as an array
+    second = llm.chat([{"role": "user", "content": parts}], GREEDY)[0]
+    n = len(cold.prompt_token_ids)
+    assert second.num_cached_tokens == (n - 1) // BS * BS and llm.engine.stats.num_tower_runs == runs + 1
+    assert second.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
+def test_decode_after_a_picture_runs_multi_step_windows_as_single_steps(paths, llm, cold_split_llm):
+    """Positions after a picture are text positions + the sequence's MRoPE delta (here 6 - 30 = -24) on all three
+    axes, advanced on device inside a multi-step window: the same draws as one step a call, and the KV the windows
+    wrote scores the next turn (a prefix hit) as a cold run does."""
+    multi = qnext.LLM(paths[0], **dict(ENGINE, num_scheduler_steps=4))
+    prompt = image_prompt([5, 6, 7], [picture(13, 48, 40)], [8, 9], tokens_per_image=30)     # 37 tokens
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)
+    one = llm.generate(prompt, params)[0]
+    stats = multi.engine.stats
+    many = multi.generate(prompt, params)[0]
+    assert many.outputs[0].token_ids == one.outputs[0].token_ids
+    assert stats.num_model_steps > stats.num_steps       # decode ran in windows of several steps
+    follow = dict(prompt, prompt_token_ids=prompt["prompt_token_ids"] + list(many.outputs[0].token_ids) + [40, 41])
+    warm, cold = multi.generate(follow, GREEDY)[0], cold_split_llm.generate(follow, GREEDY)[0]
+    assert warm.num_cached_tokens == 48                  # block 2 holds 11 tokens decoded in windows
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    np.testing.assert_allclose(logprobs(warm), logprobs(cold), atol=1e-4)
+
+
+def test_mtp_windows_run_sequences_with_pictures_as_plain_decoding(tmp_path_factory, llm):
+    """The verify window of a sequence with pictures rotates by token index + its MRoPE delta: greedy tokens and
+    logprobs equal plain decoding's (llm: the same seed's weights, no head), and speculative steps ran."""
+    import jax
+
+    from qnext.config import ModelConfig
+    from qnext.model.loader import load_params
+    from qnext.model.mtp import init_mtp_params, save_mtp_params
+
+    path = write_vision_checkpoint(tmp_path_factory.mktemp("vlm-mtp"), seed=3)
+    cfg = ModelConfig.from_pretrained(path)
+    save_mtp_params(path, init_mtp_params(load_params(path, cfg), cfg, jax.random.key(1)), cfg)
+    spec = qnext.LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **ENGINE)
+    prompt = image_prompt([5, 6, 7], [picture(13, 48, 40)], [8, 9], tokens_per_image=30)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    want, got = llm.generate(prompt, params)[0], spec.generate(prompt, params)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    np.testing.assert_allclose(logprobs(got), logprobs(want), atol=1e-4)
+    assert spec.engine.stats.num_spec_rows > 0

@@ -11,6 +11,7 @@ from safetensors.numpy import load_file, save_file
 from qnext.model.loader import CheckpointError
 from qnext.model.vision_weights import PREFIX, has_vision_tower, load_vision_params, to_hf_vision_tensors
 from qnext.testing.tiny_checkpoint import write_tiny_checkpoint
+from qnext.tokenizer import Tokenizer
 from qnext.vision.config import VisionConfig, vision_configs
 
 
@@ -25,7 +26,10 @@ def file_tensors(path):
 def test_tower_weights_round_trip(tmp_path, family, options):
     path = write_tiny_checkpoint(tmp_path, family, vlm=True, **options)
     cfg, ids = vision_configs(json.loads((path / "config.json").read_text()))
-    assert has_vision_tower(path) and ids.image_token_id == 500
+    tokenizer = Tokenizer.from_pretrained(path)
+    assert has_vision_tower(path) and (ids.image_token_id, ids.video_token_id, ids.vision_start_token_id,
+                                       ids.vision_end_token_id) == tuple(tokenizer.token_to_id(t) for t in (
+                                           "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"))
     params = load_vision_params(path)
     assert params["patch_embed"]["weight"].shape == (cfg.hidden_size, cfg.patch_dim)
     assert len(params["blocks"]) == cfg.depth

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from cache.hashing import block_hashes
+from cache.image_keys import ImageSpan
 from qnext.server.data_parallel import PrefixRouter
 
 
@@ -31,6 +32,18 @@ def test_router_forgets_the_least_recently_sent_blocks_beyond_the_replica_capaci
     router.record(0, old)
     router.record(0, new)
     assert router.matched_blocks(0, block_hashes(old, 4)) == 0 and router.matched_blocks(0, block_hashes(new, 4)) == 3
+
+
+def test_router_keys_a_pictures_blocks_on_the_picture():
+    """Equal token ids with another picture share only the blocks before the picture, as in the engine's cache."""
+    router = PrefixRouter(2, block_size=4, capacity_blocks=100)
+    ids = list(range(10, 18)) + [99] * 8 + [20, 21, 22, 23]         # the picture's pads fill blocks 2 and 3
+    one, other = ImageSpan(8, 8, bytes(32)), ImageSpan(8, 8, bytes(31) + b"\1")
+    router.record(0, ids, [one])
+    assert router.matched_blocks(0, block_hashes(ids, 4, images=[one])) == 5
+    assert router.matched_blocks(0, block_hashes(ids, 4, images=[other])) == 2
+    router.record(1, ids, [other])
+    assert router.order(ids, [one])[0] == 0 and router.order(ids, [other])[0] == 1
 
 
 def test_round_robin_takes_turns_and_bad_policies_are_refused():

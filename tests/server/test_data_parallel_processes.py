@@ -1,5 +1,6 @@
 """`qnext serve --data-parallel-size 2` with a process per replica (qnext/server/replica_process.py): both replicas
-answer (cache-aware routing sends a chat's next turn back to its replica and it is served from that cache); one
+answer (cache-aware routing sends a chat's next turn back to its replica and it is served from that cache); a
+picture is preprocessed in the HTTP process and encoded by a replica, whose cache keys on it; one
 replica killed mid-request: the request it held fails with a 503 naming it, /health says 1 of 2 replicas are up, and
 every later request is answered by the other. One server process (and its two replicas) for the module."""
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 
 from qnext.server.launch import running_server
 from qnext.testing.tiny_checkpoint import write_tiny_checkpoint
+from tests.support.vision_checkpoint import data_url, picture
 
 MODEL = "tiny"
 ARGS = ["--served-model-name", MODEL, "--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens",
@@ -22,14 +24,14 @@ SYSTEM = "You are a terse assistant who answers questions about the weather at s
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dp_processes")
-    checkpoint = write_tiny_checkpoint(tmp / "ckpt", "qwen3_5", seed=2, tokenizer="qwen3.5",
+    checkpoint = write_tiny_checkpoint(tmp / "ckpt", "qwen3_5", seed=2, tokenizer="qwen3.5", vlm=True,
                                        max_position_embeddings=512)
     with running_server([str(checkpoint), *ARGS], timeout=300, log_path=tmp / "server.log",
                         env={"JAX_PLATFORMS": "cpu"}) as proc:
         yield proc
 
 
-def chat(base_url: str, question: str, max_tokens: int = 6, history: list | None = None,
+def chat(base_url: str, question: str | list, max_tokens: int = 6, history: list | None = None,
          system: bool = True) -> httpx.Response:
     """A chat; without `system` its first KV block is the question's own (no prefix shared with other requests)."""
     messages = [*([{"role": "system", "content": SYSTEM}] if system else []), *(history or []),
@@ -84,6 +86,23 @@ def test_replicas_are_processes_and_both_answer(server):
         t.join(120)
     assert [r.status_code for r in results] == [200, 200]
     assert set(served_by(server.base_url)) == {"0", "1"}
+
+
+def test_a_replica_process_reads_pictures_and_keys_its_cache_on_them(server):
+    """The HTTP process preprocesses, the replica runs the tower: the same picture again is served from the
+    replica's cache, another picture with the same text reuses nothing past the text before it."""
+    def ask(seed: int) -> dict:
+        parts = [{"type": "image_url", "image_url": {"url": data_url(picture(seed))}},
+                 {"type": "text", "text": "What do you see in this picture?"}]
+        reply = chat(server.base_url, parts, system=False)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["usage"]
+
+    first, again, other = ask(1), ask(1), ask(2)
+    assert first["prompt_tokens"] == again["prompt_tokens"] == other["prompt_tokens"] > 16   # 16 pads
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["prompt_tokens_details"]["cached_tokens"] == (first["prompt_tokens"] - 1) // 16 * 16
+    assert other["prompt_tokens_details"]["cached_tokens"] == 0      # the picture starts in the first block
 
 
 def test_a_killed_replica_is_taken_out_and_the_other_keeps_answering(server):

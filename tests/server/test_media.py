@@ -10,8 +10,8 @@ from qnext.model.vision_weights import load_vision_params
 from qnext.sampling_params import SamplingParams
 from qnext.server.chat_request import ChatInputs, ChatTranslator
 from qnext.server.errors import APIError
-from qnext.server.media import MediaLimits, MediaPart, decode_media
 from qnext.tokenizer import Tokenizer
+from qnext.vision.media import MediaError, MediaLimits, MediaPart, decode_media
 from tests.support.vision_checkpoint import data_url, picture, png_base64, write_vision_checkpoint
 
 
@@ -64,6 +64,6 @@ def test_limits_and_bad_data_name_the_part():
              ([MediaPart("video", "data:video/png;base64," + png_base64(picture(1)) + "," +
                          png_base64(picture(2, 16, 16)), "m.4")], MediaLimits(), "differ in size", "m.4")]
     for parts, limits, says, where in cases:
-        with pytest.raises(APIError, match=says) as e:
+        with pytest.raises(MediaError, match=says) as e:
             decode_media(parts, limits)
-        assert e.value.status == 400 and e.value.param == where
+        assert e.value.where == where

@@ -129,3 +129,22 @@ def test_full_waiting_queue_answers_503_with_retry_after(served):
         w.join(60)
     assert [a.status_code for a in answers] == [200, 200]
     assert httpx.get(base_url + "/health", timeout=10).status_code == 200
+
+
+def test_the_readmes_picture_example_runs_as_written_against_the_demo(served):
+    """The README's image request (the demo checkpoint has the tiny tower): the picture's 48 pads are counted, and
+    the second request is served from the prefix cache."""
+    import contextlib
+    import io
+    import re
+    from pathlib import Path
+
+    base_url, _, _ = served
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    snippet = next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "image_url" in b)
+    code = snippet.replace("http://127.0.0.1:8000/v1", base_url + "/v1").replace('"qnext-tiny-demo"', repr(MODEL))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md", "exec"), {})
+    usage = [line.split()[:2] for line in out.getvalue().splitlines()]
+    assert usage == [["68", "0"], ["68", "64"]], out.getvalue()

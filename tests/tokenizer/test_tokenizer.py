@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qnext.sampling_params import SamplingParams
-from qnext.testing.tiny_tokenizer import (TINY_EOS_TOKEN, tiny_eos_token_id, tiny_special_token_ids,
-                                          write_tiny_tokenizer)
+from qnext.testing.tiny_tokenizer import (_CORPUS, TINY_EOS_TOKEN, tiny_eos_token_id, tiny_special_token_ids,
+                                          tiny_vision_token_ids, write_tiny_tokenizer)
 from qnext.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, partial_stop_length
 
 MULTIBYTE = "Hello 世界! The weather is 晴れ today 🙂👍🏽 — naïve café, over the lazy dog."
@@ -38,12 +38,52 @@ def test_tiny_tokenizer_is_deterministic_with_fixed_special_ids(tiny_dir, tmp_pa
     assert tok.all_special_ids == {507, 508, 509}
 
 
+@pytest.fixture(scope="module")
+def vision_tok(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_vision_tokenizer")
+    write_tiny_tokenizer(path, vision=True)
+    return Tokenizer.from_pretrained(path)
+
+
+def test_vision_tokenizer_adds_the_vision_tokens_before_the_chat_tokens(vision_tok, tok):
+    ids = tiny_special_token_ids(512, vision=True)
+    assert list(ids.values()) == list(range(503, 512)) and all(vision_tok.token_to_id(n) == i for n, i in ids.items())
+    assert vision_tok.all_special_ids == {503, 504, 505, 506, 507, 508, 509} and vision_tok.eos_token_id == 509
+    assert tiny_vision_token_ids(512) == {"image_token_id": 505, "video_token_id": 506, "vision_start_token_id": 503,
+                                          "vision_end_token_id": 504}
+    english = "The people of the village worked in the fields and told stories by the fire at night."
+    assert vision_tok.encode(english) == tok.encode(english)     # four merges fewer: common text is unchanged
+
+
+def test_only_a_placeholder_spelled_out_encodes_to_vision_tokens(vision_tok):
+    """Ordinary text (the training corpus, multibyte text, near-misses of the names) never produces a vision
+    token; the placeholder the chat template writes is exactly three tokens, and decoding skips them."""
+    vision = set(tiny_vision_token_ids(512).values())
+    for text in (_CORPUS, MULTIBYTE, "<|vision_start| <|image_pad> |video_pad|> vision_end image_pad"):
+        assert not vision & set(vision_tok.encode(text))
+    ids = vision_tok.encode("see <|vision_start|><|image_pad|><|vision_end|> here")
+    assert ids[-5:-2] == [503, 505, 504] and vision_tok.decode(ids) == "see  here"
+
+
+def test_chat_template_renders_pictures_like_qwen35(tok):
+    parts = [{"type": "text", "text": "Compare "}, {"type": "image_url", "image_url": {"url": "data:,"}},
+             {"type": "text", "text": " with "}, {"type": "image"}, {"type": "video"}, {"type": "text", "text": "."}]
+    prompt = tok.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=False)
+    pic = "<|vision_start|>{}<|vision_end|>"
+    assert prompt == ("<|im_start|>user\nCompare " + pic.format("<|image_pad|>") + " with "
+                      + pic.format("<|image_pad|>") + pic.format("<|video_pad|>") + ".<|im_end|>\n")
+    with pytest.raises(Exception, match="Unexpected item type"):
+        tok.apply_chat_template([{"role": "user", "content": [{"type": "audio"}]}])
+
+
 def test_tiny_tokenizer_other_vocab_size(tmp_path):
     write_tiny_tokenizer(tmp_path, vocab_size=1024)
     tok = Tokenizer.from_pretrained(tmp_path)
     assert tok.vocab_size == 1024 and tok.eos_token_id == tiny_eos_token_id(1024) == 1021
     with pytest.raises(ValueError, match="vocab_size must be >= 261"):
         write_tiny_tokenizer(tmp_path, vocab_size=100)
+    with pytest.raises(ValueError, match="vocab_size must be >= 265"):
+        write_tiny_tokenizer(tmp_path, vocab_size=263, vision=True)
 
 
 def test_round_trip_and_compact_english(tok):
