@@ -113,8 +113,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_pd_router_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", required=True, metavar="URL", help="a `qnext serve --pd-role prefill` server")
-    p.add_argument("--decode", required=True, metavar="URL", help="a `qnext serve --pd-role decode` server")
+    p.add_argument("--prefill", required=True, action="append", metavar="URL",
+                   help="a `qnext serve --pd-role prefill` server (repeat for several)")
+    p.add_argument("--decode", required=True, action="append", metavar="URL",
+                   help="a `qnext serve --pd-role decode` server (repeat for several)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--shutdown-timeout", type=float, default=30.0)

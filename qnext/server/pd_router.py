@@ -1,10 +1,13 @@
-"""`qnext pd-router --prefill URL --decode URL`: the front of prefill/decode disaggregation (docs/scale.md).
+"""`qnext pd-router --prefill URL [--prefill URL ...] --decode URL [--decode URL ...]`: the front of prefill/decode
+disaggregation (docs/scale.md).
 
-For each completion or chat completion: the body goes to the prefill server (not streamed) under a fresh id in the
+For each completion or chat completion, one prefill and one decode server are chosen (pd_choice.py: the one whose
+earlier requests share the longest prefix with it, else the least busy); the body goes to the prefill server (not
+streamed) under a fresh id in the
 `x-qnext-pd` header; when it answers finish_reason "prefilled", the same body goes to the decode server with the
 prefill server's address and that id, and the decode server's answer (JSON or the event stream) is passed
 through as it comes. A request the first token already ended, or one with n > 1, goes to the decode server
-plainly. Other routes (/v1/models, ...) are the decode server's.
+plainly. Other routes (/v1/models) are the first decode server's; /health asks every server.
 """
 from __future__ import annotations
 
@@ -17,13 +20,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from qnext.server.pd_choice import InstanceChooser, prefix_chain
 from qnext.server.pd_mover import PD_HEADER
 
 FORWARDED_HEADERS = ("authorization", "x-api-key")
 
 
-def build_pd_router(prefill_url: str, decode_url: str, timeout: float = 600.0) -> FastAPI:
-    prefill_url, decode_url = prefill_url.rstrip("/"), decode_url.rstrip("/")
+def build_pd_router(prefill_urls: list[str] | str, decode_urls: list[str] | str, timeout: float = 600.0) -> FastAPI:
+    prefills, decodes = (InstanceChooser([u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)])
+                         for urls in (prefill_urls, decode_urls))
     client = httpx.AsyncClient(timeout=timeout)
 
     @contextlib.asynccontextmanager
@@ -41,19 +46,36 @@ def build_pd_router(prefill_url: str, decode_url: str, timeout: float = 600.0) -
             body = json.loads(await request.body())
         except ValueError:
             return JSONResponse({"error": {"message": "the body is not JSON", "type": "invalid_request_error"}}, 400)
+        if not isinstance(body, dict):
+            return JSONResponse({"error": {"message": "the body is not a JSON object",
+                                           "type": "invalid_request_error"}}, 400)
         headers = {k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}
         decode_headers = dict(headers)
-        if isinstance(body, dict) and body.get("n", 1) == 1:
+        chain = prefix_chain(body)
+        if body.get("n", 1) == 1:
             request_id = f"pd-{uuid.uuid4().hex}"
             prefill_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-            prefilled = await client.post(prefill_url + path, json=prefill_body,
-                                          headers={**headers, PD_HEADER: json.dumps({"request_id": request_id})})
+            p = prefills.choose(chain)
+            prefill_url = prefills.urls[p]
+            prefills.started(p)
+            try:
+                prefilled = await client.post(prefill_url + path, json=prefill_body,
+                                              headers={**headers, PD_HEADER: json.dumps({"request_id": request_id})})
+            finally:
+                prefills.finished(p)
             if prefilled.status_code != 200:
                 return Response(prefilled.content, prefilled.status_code, media_type="application/json")
             if prefilled.json()["choices"][0].get("finish_reason") == "prefilled":
                 decode_headers[PD_HEADER] = json.dumps({"request_id": request_id, "prefill_url": prefill_url,
                                                         "prefill_request_id": request_id})
-        return await _passed_through(client, decode_url + path, body, decode_headers)
+        d = decodes.choose(chain)
+        decodes.started(d)
+        try:
+            return await _passed_through(client, decodes.urls[d] + path, body, decode_headers,
+                                         done=lambda: decodes.finished(d))
+        except BaseException:
+            decodes.finished(d)
+            raise
 
     app.add_api_route("/v1/chat/completions", disaggregated, methods=["POST"])
     app.add_api_route("/v1/completions", disaggregated, methods=["POST"])
@@ -61,7 +83,8 @@ def build_pd_router(prefill_url: str, decode_url: str, timeout: float = 600.0) -
     @app.get("/health")
     async def health():
         states = {}
-        for name, url in (("prefill", prefill_url), ("decode", decode_url)):
+        servers = [(f"prefill {url}", url) for url in prefills.urls] + [(f"decode {url}", url) for url in decodes.urls]
+        for name, url in servers:
             try:
                 states[name] = (await client.get(url + "/health")).status_code
             except httpx.HTTPError as e:
@@ -71,14 +94,22 @@ def build_pd_router(prefill_url: str, decode_url: str, timeout: float = 600.0) -
 
     @app.get("/v1/models")
     async def models(request: Request):
-        answer = await client.get(decode_url + "/v1/models",
+        answer = await client.get(decodes.urls[0] + "/v1/models",
                                   headers={k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS})
         return Response(answer.content, answer.status_code, media_type="application/json")
 
     return app
 
 
-async def _passed_through(client: httpx.AsyncClient, url: str, body, headers: dict) -> Response:
+async def _passed_through(client: httpx.AsyncClient, url: str, body, headers: dict, done) -> Response:
+    """The answer of `url` streamed through; done() runs once it is closed."""
     answer = await client.send(client.build_request("POST", url, json=body, headers=headers), stream=True)
+
+    async def close():
+        try:
+            await answer.aclose()
+        finally:
+            done()
+
     return StreamingResponse(answer.aiter_raw(), status_code=answer.status_code,
-                             media_type=answer.headers.get("content-type"), background=BackgroundTask(answer.aclose))
+                             media_type=answer.headers.get("content-type"), background=BackgroundTask(close))
