@@ -21,7 +21,7 @@ def test_byte_counts_follow_the_storage_dtypes():
     assert NARROW.kv_bytes_per_block(16) * 2 == WIDE.kv_bytes_per_block(16)
     assert NARROW.state_bytes_per_row == WIDE.state_bytes_per_row      # the device's live / snapshot rows: float32
     recurrent = 2 * 3 * 3
-    assert WIDE.host_state_bytes_per_row - NARROW.host_state_bytes_per_row == recurrent * 2
+    assert WIDE.snapshot_bytes_per_row - NARROW.snapshot_bytes_per_row == recurrent * 2
 
 
 def test_host_tier_round_trips_fp8_blocks_and_rounds_snapshots_to_bf16_once():
