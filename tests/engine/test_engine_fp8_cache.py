@@ -146,3 +146,25 @@ def test_fingerprint_names_each_storage_dtype(checkpoint):
     assert fingerprints["auto", "auto"]["kv_dtype"] == "float32"
     assert fingerprints["fp8", "bfloat16"]["snapshot_dtype"] == "bfloat16"
     assert len({json.dumps(f, sort_keys=True) for f in fingerprints.values()}) == 4
+
+
+def test_a_step_stages_at_most_its_staging_rows_of_captures_and_skips_the_rest(checkpoint, monkeypatch):
+    """Three 20-token prompts each capture after 16 tokens, inside their segment: with one staging row a step
+    captures only its first (the others capture nothing, rather than register a state never written), and the next
+    turns still equal cold runs."""
+    import qnext.engine.cache_setup as cache_setup
+
+    monkeypatch.setattr(cache_setup, "STAGING_ROWS", 1)
+    cold = qnext.LLM(checkpoint, enable_prefix_caching=False, **NARROW, **ENGINE)
+    capped = qnext.LLM(checkpoint, **NARROW, **ENGINE)
+    assert capped.engine.scheduler.cache.config.num_staging_rows == 1
+    rng = np.random.default_rng(4)
+    prompts = [{"prompt_token_ids": rng.integers(3, 500, 20).tolist()} for _ in range(3)]
+    first = capped.generate(prompts, GREEDY)
+    assert capped.engine.cache_stats.snapshots_captured < 3
+    turns = [{"prompt_token_ids": p["prompt_token_ids"] + list(o.outputs[0].token_ids) + [7] * 10}
+             for p, o in zip(prompts, first)]
+    got, want = capped.generate(turns, GREEDY), cold.generate(turns, GREEDY)
+    reused = [o.num_cached_tokens for o in got]
+    assert 0 in reused and 16 in reused, reused
+    assert_close_to(got, want, BF16_STATE_ATOL)
