@@ -1,5 +1,6 @@
-"""The device buffers the cache manager's bookkeeping refers to, the copies between them and the host tier, and the
-forks' copies inside them (the one module of `cache/` that imports jax; cache/persisted_cache.py reads through it).
+"""The device buffers the cache manager's bookkeeping refers to and the copies between them and the host tier (with
+cache/fork_copies.py, the forks' copies inside them, the modules of `cache/` that import jax; cache/persisted_cache.py
+reads through this one).
 
 KV pages per full-attention layer, and state rows per linear-attention layer: row 0 is the zero state (never written),
 rows 1..num_live_slots hold live sequences, the rest are the prefix-snapshot pool (docs/CONTRACTS.md). Restoring
@@ -24,9 +25,7 @@ two so that few shapes compile; padded gathers read block / row 0, padded scatte
 dropped (the zero state row is never written); at most MAX_COPY blocks (rows) go in one call. On CPU the
 "device" is host memory and the same code is a copy.
 
-Forks (cache/forks.py): `apply_fork_copies` copies state rows and KV blocks inside the buffers, every layer in one
-jitted call (donated); rows and blocks are padded to the same power of two (blocks to 1 when none is copied), so
-`warm_up_fork_copies` compiles every shape; padded entries read row / block 0 and write out of range (dropped).
+The forks' copies inside the buffers are cache/fork_copies.py's.
 """
 from __future__ import annotations
 
@@ -39,7 +38,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from cache.forks import ForkCopies
 from cache.stats import TierStats
 from cache.transfers import TransferPlan
 
@@ -179,27 +177,27 @@ class HostTierBuffers:
         for phase in plan.phases:
             t0 = time.perf_counter()
             for slots, blocks in _chunks(phase.kv_saves):
-                got = jax.device_get(_gather_blocks(buffers.kv, _padded(blocks, 0)))
+                got = jax.device_get(_gather_blocks(buffers.kv, padded_indices(blocks, 0)))
                 for (k, v), (gk, gv) in zip(self.kv, got):
                     k[:, slots], v[:, slots] = gk[:, :len(slots)], gv[:, :len(slots)]
             for slots, rows in _chunks(phase.state_saves):
                 for part, at, index in split_rows(buffers, rows):
-                    conv, recurrent = jax.device_get(_gather_rows(state_part(buffers, part), _padded(index, 0)))
+                    conv, recurrent = jax.device_get(_gather_rows(state_part(buffers, part), padded_indices(index, 0)))
                     to = [slots[i] for i in at]
                     for c, r, gc, gr in zip(self.conv, self.recurrent, conv, recurrent):
                         c[to], r[to] = gc[:len(to)], gr[:len(to)]
             t1 = time.perf_counter()
             for blocks, slots in _chunks(phase.kv_loads):
-                padded = _padded(slots, 0)
+                padded = padded_indices(slots, 0)
                 values = tuple((k[:, padded], v[:, padded]) for k, v in self.kv)
-                kv = _scatter_blocks(buffers.kv, _padded(blocks, buffers.kv[0][0].shape[1]), values)
+                kv = _scatter_blocks(buffers.kv, padded_indices(blocks, buffers.kv[0][0].shape[1]), values)
                 buffers = buffers.replace(kv=kv)
             for rows, slots in _chunks(phase.state_loads):
                 for part, at, index in split_rows(buffers, rows):
-                    padded = _padded([slots[i] for i in at], 0)
+                    padded = padded_indices([slots[i] for i in at], 0)
                     values = (tuple(c[padded] for c in self.conv), tuple(r[padded] for r in self.recurrent))
                     state = state_part(buffers, part)
-                    conv, recurrent = _scatter_rows(state, _padded(index, state[0][0].shape[0]), values)
+                    conv, recurrent = _scatter_rows(state, padded_indices(index, state[0][0].shape[0]), values)
                     buffers = buffers.replace(**{part[0]: conv, part[1]: recurrent})
             if phase.kv_loads or phase.state_loads:
                 jax.block_until_ready(buffers)
@@ -251,7 +249,7 @@ def gather_device_blocks(kv: tuple, blocks: list[int]) -> tuple:
     pieces = []
     for i in range(0, len(blocks), MAX_COPY):
         part = blocks[i:i + MAX_COPY]
-        got = jax.device_get(_gather_blocks(kv, _padded(part, 0)))
+        got = jax.device_get(_gather_blocks(kv, padded_indices(part, 0)))
         pieces.append([(k[:, :len(part)], v[:, :len(part)]) for k, v in got])
     return tuple((np.concatenate([p[layer][0] for p in pieces], axis=1),
                   np.concatenate([p[layer][1] for p in pieces], axis=1)) for layer in range(len(kv)))
@@ -269,7 +267,7 @@ def gather_device_rows(buffers: CacheBuffers, rows: list[int], layer: int, kind:
         state = ((arrays[part],), ()) if kind == "conv" else ((), (arrays[part],))
         for i in range(0, len(index), MAX_COPY):
             chunk = index[i:i + MAX_COPY]
-            c, r = jax.device_get(_gather_rows(state, _padded(chunk, 0)))
+            c, r = jax.device_get(_gather_rows(state, padded_indices(chunk, 0)))
             out[at[i:i + len(chunk)]] = (c or r)[0][:len(chunk)]
     return out
 
@@ -281,43 +279,13 @@ def _chunks(pairs: dict[int, int]):
         yield keys[i:i + MAX_COPY], values[i:i + MAX_COPY]
 
 
-def apply_fork_copies(copies: ForkCopies, buffers: CacheBuffers) -> CacheBuffers:
-    """Runs the queued fork copies on the buffers (donated) -> the new buffers."""
-    if not copies:
-        return buffers
-    num_rows, num_blocks = _fork_bounds(buffers)
-    size = _pow2(max(len(copies.dst_rows), len(copies.dst_blocks)))      # blocks: the rows' size, or 1 if none
-    block_size = size if copies.dst_blocks else 1
-    return _fork_copy(buffers, _padded(copies.src_rows, 0, size), _padded(copies.dst_rows, num_rows, size),
-                      _padded(copies.src_blocks, 0, block_size), _padded(copies.dst_blocks, num_blocks, block_size))
-
-
-def warm_up_fork_copies(buffers: CacheBuffers, max_forks: int) -> CacheBuffers:
-    """Compiles every fork copy shape up to max_forks forks at once (rows and blocks padded to the same power of
-    two, or no block: a prompt that ends on a block boundary) on copies that write nothing."""
-    num_rows, num_blocks = _fork_bounds(buffers)
-    size = 1
-    while True:
-        for blocks in {size, 1}:
-            buffers = _fork_copy(buffers, np.zeros(size, np.int32), np.full(size, num_rows, np.int32),
-                                 np.zeros(blocks, np.int32), np.full(blocks, num_blocks, np.int32))
-        if size >= max_forks:
-            return buffers
-        size *= 2
-
-
-def _fork_bounds(buffers: CacheBuffers) -> tuple[int, int]:
-    """(state rows, KV blocks) of the buffers: the out-of-range index of each."""
-    return (buffers.conv[0].shape[0] if buffers.conv else 1), (buffers.kv[0][0].shape[1] if buffers.kv else 1)
-
-
-def _pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _padded(indices: list[int], fill: int, size: int | None = None) -> np.ndarray:
+def padded_indices(indices: list[int], fill: int, size: int | None = None) -> np.ndarray:
     """indices as int32, padded with `fill` to `size` (default: the next power of two; bounded compilations)."""
-    out = np.full(_pow2(len(indices)) if size is None else size, fill, np.int32)
+    out = np.full(next_pow2(len(indices)) if size is None else size, fill, np.int32)
     out[:len(indices)] = indices
     return out
 
@@ -352,18 +320,3 @@ def _scatter_rows(state, rows, values):   # out-of-range rows dropped
     (conv, recurrent), (vc, vr) = state, values
     return (tuple(c.at[rows].set(x.astype(c.dtype), mode="drop") for c, x in zip(conv, vc)),
             tuple(r.at[rows].set(x.astype(r.dtype), mode="drop") for r, x in zip(recurrent, vr)))
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _fork_copy(buffers: CacheBuffers, src_rows, dst_rows, src_blocks, dst_blocks) -> CacheBuffers:
-    # all reads happen before any write: a functional gather of the old buffers, then the scatter
-    def rows(x):                     # [R, ...]
-        return x.at[dst_rows].set(x[src_rows], mode="drop")
-
-    def blocks(x):                   # [Hkv, num_blocks, block_size, D]
-        return x.at[page_index(x, dst_blocks)].set(x[page_index(x, src_blocks)], mode="drop")
-
-    # forks copy live rows (a parent's row into its children's): a separate snapshot pool passes through
-    return buffers.replace(kv=tuple((blocks(k), blocks(v)) for k, v in buffers.kv),
-                           conv=tuple(rows(c) for c in buffers.conv),
-                           recurrent=tuple(rows(r) for r in buffers.recurrent))

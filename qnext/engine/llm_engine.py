@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import jax
 
-from cache.device_buffers import warm_up_fork_copies
+from cache.fork_copies import warm_up_fork_copies
 from cache.fingerprint import files_digest_memoized
 from qnext.config import ModelConfig
 from qnext.engine.cache_setup import cache_sizes, make_cache, params_weights_digest, prefix_cache_fingerprint
