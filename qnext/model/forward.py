@@ -39,12 +39,12 @@ def decoder_stack(params, buffers: CacheBuffers, inputs: StepInputs, cfg: ModelC
             if cfg.is_linear_layer(i):
                 j = lin_i
                 if moves is not None:
-                    conv[j], recurrent[j] = restore_rows(conv[j], recurrent[j], pool_conv[j], pool_recurrent[j],
-                                                         moves)
+                    conv[j], recurrent[j], pool_conv[j], pool_recurrent[j] = restore_rows(
+                        conv[j], recurrent[j], pool_conv[j], pool_recurrent[j], moves)
                 out, conv[j], recurrent[j] = linear_layer(p["attn"], h, conv[j], recurrent[j], inputs, cfg)
                 if moves is not None and captures_here:
-                    pool_conv[j], pool_recurrent[j] = capture_rows(conv[j], recurrent[j], pool_conv[j],
-                                                                   pool_recurrent[j], moves)
+                    conv[j], recurrent[j], pool_conv[j], pool_recurrent[j] = capture_rows(
+                        conv[j], recurrent[j], pool_conv[j], pool_recurrent[j], moves)
                 lin_i += 1
             else:
                 out, kv[kv_i] = full_attention(p["attn"], h, kv[kv_i], inputs, cfg)

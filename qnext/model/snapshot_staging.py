@@ -71,16 +71,21 @@ def stage(buffers: CacheBuffers, inputs: StepInputs) -> tuple[StepInputs, Snapsh
 
 def restore_rows(conv, recurrent, pool_conv, pool_recurrent, moves: SnapshotMoves):
     """One layer, before its kernels: the snapshots the step reads, widened into their live rows. -> (conv,
-    recurrent). conv [R, K-1, C], recurrent [R, Hv, dk, dv] float32; pool_* [S, ...] (recurrent narrow)."""
-    return _copy((conv, recurrent), (pool_conv, pool_recurrent), moves.pool_src, moves.live_dst,
-                 moves.restore_order, moves.restore_count)
+    recurrent, pool_conv, pool_recurrent), the pool unchanged. conv [R, K-1, C], recurrent [R, Hv, dk, dv] float32;
+    pool_* [S, ...] (recurrent narrow)."""
+    (conv, recurrent), (pool_conv, pool_recurrent) = _copy(
+        (conv, recurrent), (pool_conv, pool_recurrent), moves.pool_src, moves.live_dst, moves.restore_order,
+        moves.restore_count)
+    return conv, recurrent, pool_conv, pool_recurrent
 
 
 def capture_rows(conv, recurrent, pool_conv, pool_recurrent, moves: SnapshotMoves):
-    """One layer, after its kernels: the captured states, narrowed (rounded to nearest) into the pool. -> (pool_conv,
-    pool_recurrent)."""
-    return _copy((pool_conv, pool_recurrent), (conv, recurrent), moves.live_src, moves.pool_dst,
-                 moves.capture_order, moves.capture_count)
+    """One layer, after its kernels: the captured states, narrowed (rounded to nearest) into the pool. -> (conv,
+    recurrent, pool_conv, pool_recurrent), the live rows unchanged."""
+    (pool_conv, pool_recurrent), (conv, recurrent) = _copy(
+        (pool_conv, pool_recurrent), (conv, recurrent), moves.live_src, moves.pool_dst, moves.capture_order,
+        moves.capture_count)
+    return conv, recurrent, pool_conv, pool_recurrent
 
 
 def _first(flags):
@@ -90,11 +95,18 @@ def _first(flags):
 
 def _copy(targets, sources, src, dst, order, count):
     """targets[k][dst[i]] = sources[k][src[i]] (cast to the target's dtype) for i in order[:count], one row at a
-    time (a while loop: its trip count is the rows that move, not the step's groups)."""
-    def put(j, arrays):
+    time (a while loop: its trip count is the rows that move, not the step's groups). -> (targets, sources).
+    The sources ride in the loop's carry, unchanged, and the caller goes on with the loop's (read from outside it,
+    each would be copied whole into the loop: a donated buffer that the step also returns). The loop sits in a
+    cond that skips it when no row moves: XLA:CPU runs a bf16 row update as a float32 one, widening the whole
+    buffer around it, and hoists the widening of a loop's read-only bf16 buffer out of the loop, which would cost
+    every step that much even when nothing moves (XLA:GPU updates bf16 in place)."""
+    def put(j, carry):
+        arrays, sources = carry
         i = order[j]
         return tuple(jax.lax.dynamic_update_index_in_dim(
             t, jax.lax.dynamic_index_in_dim(s, src[i], keepdims=False).astype(t.dtype), dst[i], 0)
-            for t, s in zip(arrays, sources))
+            for t, s in zip(arrays, sources)), sources
 
-    return jax.lax.fori_loop(0, count, put, tuple(targets))
+    carry = (tuple(targets), tuple(sources))
+    return jax.lax.cond(count > 0, lambda c: jax.lax.fori_loop(0, count, put, c), lambda c: c, carry)
