@@ -211,8 +211,9 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     def cache_info(self) -> dict:
-        """The cache's split: num_blocks, block_size, kv_bytes, num_live_rows, num_snapshot_rows, state_bytes
-        (live + snapshot rows, the zero row included) and budget_bytes (per device)."""
+        """The cache's split: num_blocks, block_size, kv_bytes, num_live_rows, num_snapshot_rows, num_staging_rows
+        (float32 rows of a narrow snapshot pool's step; 0 with float32 snapshots), state_bytes (live, staging and
+        snapshot rows, the zero row included) and budget_bytes (per device)."""
         return self.cache_sizes.as_dict()
 
     @property
