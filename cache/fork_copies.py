@@ -19,9 +19,10 @@ def apply_fork_copies(copies: ForkCopies, buffers: CacheBuffers) -> CacheBuffers
         return buffers
     num_rows, num_blocks = _fork_bounds(buffers)
     size = next_pow2(max(len(copies.dst_rows), len(copies.dst_blocks)))      # blocks: the rows' size, or 1 if none
-    block_size = size if copies.dst_blocks else 1
-    return _fork_copy(buffers, padded_indices(copies.src_rows, 0, size), padded_indices(copies.dst_rows, num_rows, size),
-                      padded_indices(copies.src_blocks, 0, block_size), padded_indices(copies.dst_blocks, num_blocks, block_size))
+    blocks = size if copies.dst_blocks else 1
+    return _fork_copy(buffers, padded_indices(copies.src_rows, 0, size),
+                      padded_indices(copies.dst_rows, num_rows, size), padded_indices(copies.src_blocks, 0, blocks),
+                      padded_indices(copies.dst_blocks, num_blocks, blocks))
 
 
 def warm_up_fork_copies(buffers: CacheBuffers, max_forks: int) -> CacheBuffers:

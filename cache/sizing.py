@@ -57,12 +57,13 @@ class CacheSizes:
     def describe(self) -> str:
         """One start-up log line: what each part holds and costs."""
         row_bytes = self.live_row_bytes
+        live_bytes = (1 + self.num_live_rows + self.num_staging_rows) * row_bytes
         snapshot_bytes = self.num_snapshot_rows * (self.snapshot_row_bytes or row_bytes)
         staging = f" and {self.num_staging_rows} staging rows" if self.num_staging_rows else ""
         return (f"cache {_gib(self.kv_bytes + self.state_bytes)} of {_gib(self.budget_bytes)}: "
                 f"{self.num_blocks} KV blocks = {self.num_blocks * self.block_size} tokens ({_gib(self.kv_bytes)}), "
-                f"{self.num_live_rows} live state rows ({_gib((1 + self.num_live_rows + self.num_staging_rows) * row_bytes)}"
-                f" with the zero row{staging}), {self.num_snapshot_rows} snapshot rows ({_gib(snapshot_bytes)})"
+                f"{self.num_live_rows} live state rows ({_gib(live_bytes)} with the zero row{staging}), "
+                f"{self.num_snapshot_rows} snapshot rows ({_gib(snapshot_bytes)})"
                 + (f"; max_num_snapshots {self.max_num_snapshots} cut to {self.num_snapshot_rows} by the budget"
                    if self.max_num_snapshots is not None and self.num_snapshot_rows < self.max_num_snapshots else ""))
 
@@ -73,7 +74,8 @@ def plan_cache(budget_bytes: int, *, kv_bytes_per_block: int, state_bytes_per_ro
                max_num_snapshots: int | None = None, snapshot_memory_bytes: int | None = None,
                snapshot_bytes_per_row: int | None = None, num_staging_rows: int = 0) -> CacheSizes:
     """Split `budget_bytes` by the module's rule. state_bytes_per_row = 0 (no linear-attention layers): no
-    snapshot rows. snapshot_bytes_per_row: a snapshot row's bytes (None: state_bytes_per_row, one buffer). Raises ValueError when the budget cannot hold one sequence of max_model_len plus the state rows."""
+    snapshot rows. snapshot_bytes_per_row: a snapshot row's bytes (None: state_bytes_per_row, one buffer).
+    Raises ValueError when the budget cannot hold one sequence of max_model_len plus the state rows."""
     if kv_bytes_per_block <= 0 or state_bytes_per_row < 0 or block_size <= 0 or max_num_seqs < 1 or max_model_len < 1:
         raise ValueError(f"kv_bytes_per_block={kv_bytes_per_block}, state_bytes_per_row={state_bytes_per_row}, "
                          f"block_size={block_size}, max_num_seqs={max_num_seqs}, max_model_len={max_model_len}: "

@@ -75,7 +75,8 @@ def commit_positions(buffers: CacheBuffers, keep, write_row, capture_at, capture
     capture = jnp.where((capture_row > 0) & (capture_at <= keep) & (write_row > 0), capture_row - first, -1)
     pools = zip(buffers.snapshot_conv, buffers.snapshot_recurrent) if first else [(None, None)] * len(buffers.conv)
     new_conv, new_recurrent, new_pool_conv, new_pool_recurrent = [], [], [], []
-    for (conv, window), (recurrent, states), (pool_conv, pool_recurrent) in zip(buffers.conv, buffers.recurrent, pools):
+    for (conv, window), (recurrent, states), (pool_conv, pool_recurrent) in zip(buffers.conv, buffers.recurrent,
+                                                                                 pools):
         halo = conv.shape[1]
 
         def put(conv, recurrent, row, j):         # the state after position j of row i into conv / recurrent[row[i]]
