@@ -1,10 +1,18 @@
-"""The device buffers the cache manager's bookkeeping refers to, the copies between them and the host tier, and the
-forks' copies inside them (the one module of `cache/` that imports jax; cache/persisted_cache.py reads through it).
+"""The device buffers the cache manager's bookkeeping refers to and the copies between them and the host tier (with
+cache/fork_copies.py, the forks' copies inside them, the modules of `cache/` that import jax; cache/persisted_cache.py
+reads through this one).
 
 KV pages per full-attention layer, and state rows per linear-attention layer: row 0 is the zero state (never written),
 rows 1..num_live_slots hold live sequences, the rest are the prefix-snapshot pool (docs/CONTRACTS.md). Restoring
 and capturing a snapshot are reads and writes of rows inside the model step, so those need no copy kernels. The buffers go
 into every step and come back out of it, donated.
+
+Narrow snapshot rows (mamba_ssm_cache_dtype narrower than float32; docs/fp8.md): the snapshot pool is a second
+buffer per layer, `snapshot_conv` [S, K-1, conv_dim] in the model dtype and `snapshot_recurrent` [S, Hv, dk, dv] in
+the snapshot dtype, and the float32 buffers `conv` / `recurrent` hold row 0, the live rows and `num_staging_rows`
+staging rows (the last ones) for the step's mid-sequence captures. Snapshot ids keep their numbering after those
+rows: id r is pool row r - first_pool_row. The kernels index only the float32 buffers (qnext/model/snapshot_staging.py
+moves rows between the two inside the step); the copies here address either by row id (`split_rows`).
 
 The host tier keeps KV blocks and snapshot rows in numpy arrays laid out like the device buffers
 (slot = block / row): per full-attention layer (k, v) [Hkv, num_host_blocks, block_size, D],
@@ -17,9 +25,7 @@ two so that few shapes compile; padded gathers read block / row 0, padded scatte
 dropped (the zero state row is never written); at most MAX_COPY blocks (rows) go in one call. On CPU the
 "device" is host memory and the same code is a copy.
 
-Forks (cache/forks.py): `apply_fork_copies` copies state rows and KV blocks inside the buffers, every layer in one
-jitted call (donated); rows and blocks are padded to the same power of two (blocks to 1 when none is copied), so
-`warm_up_fork_copies` compiles every shape; padded entries read row / block 0 and write out of range (dropped).
+The forks' copies inside the buffers are cache/fork_copies.py's.
 """
 from __future__ import annotations
 
@@ -32,7 +38,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from cache.forks import ForkCopies
 from cache.stats import TierStats
 from cache.transfers import TransferPlan
 
@@ -42,6 +47,15 @@ class CacheBuffers:
     kv: tuple          # per full-attention layer: (k_pages, v_pages), each [Hkv, num_blocks, block_size, D]
     conv: tuple        # per linear-attention layer: [R, K-1, conv_dim] model dtype
     recurrent: tuple   # per linear-attention layer: [R, Hv, dk, dv] float32
+    # The narrow snapshot pool (empty: the snapshots are rows of conv / recurrent, the single-buffer layout):
+    snapshot_conv: tuple = ()        # per linear-attention layer: [S, K-1, conv_dim] model dtype
+    snapshot_recurrent: tuple = ()   # per linear-attention layer: [S, Hv, dk, dv] mamba_ssm_cache_dtype
+    num_staging_rows: int = struct.field(pytree_node=False, default=0)   # the last rows of conv / recurrent
+
+    @property
+    def first_pool_row(self) -> int | None:
+        """The row id of the pool's row 0 (= rows of the float32 buffers); None without a separate pool."""
+        return self.conv[0].shape[0] if self.snapshot_recurrent else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +73,7 @@ class CacheLayout:
     v_head_dim: int
     dtype: str = "float32"
     kv_dtype: str | None = None        # the KV pages' dtype (cache/cache_dtypes.py); None: `dtype`
-    snapshot_dtype: str = "float32"    # the host tier's (and persisted) recurrent state; the device's is float32
+    snapshot_dtype: str = "float32"    # stored snapshots' recurrent state (device pool, host tier, persisted)
 
     @property
     def kv_storage(self) -> str:
@@ -76,8 +90,13 @@ class CacheLayout:
         return self.num_state_layers * (conv + recurrent)
 
     @property
-    def host_state_bytes_per_row(self) -> int:
-        """A snapshot row in the host tier: the recurrent state in `snapshot_dtype`."""
+    def narrow_snapshots(self) -> bool:
+        """Whether stored snapshots are narrower than the live float32 state (a separate device pool)."""
+        return jnp.dtype(self.snapshot_dtype) != jnp.dtype(jnp.float32)
+
+    @property
+    def snapshot_bytes_per_row(self) -> int:
+        """A stored snapshot row (device pool, host tier): the recurrent state in `snapshot_dtype`."""
         conv = (self.conv_width - 1) * self.conv_dim * jnp.dtype(self.dtype).itemsize
         recurrent = self.num_v_heads * self.k_head_dim * self.v_head_dim * jnp.dtype(self.snapshot_dtype).itemsize
         return self.num_state_layers * (conv + recurrent)
@@ -87,8 +106,14 @@ def num_state_rows(num_live_slots: int, num_snapshot_slots: int) -> int:
     return 1 + num_live_slots + num_snapshot_slots
 
 
-def allocate_cache_buffers(layout: CacheLayout, *, num_blocks: int, block_size: int,
-                           num_state_rows: int) -> CacheBuffers:
+def allocate_cache_buffers(layout: CacheLayout, *, num_blocks: int, block_size: int, num_state_rows: int,
+                           num_pool_rows: int = 0, num_staging_rows: int = 0) -> CacheBuffers:
+    """num_state_rows: rows of the float32 state buffers (every state row in the single-buffer layout; with a pool,
+    the zero row, the live rows and the staging rows). num_pool_rows > 0: a separate snapshot pool of that many rows
+    (conv in the model dtype, recurrent in the layout's snapshot dtype)."""
+    if num_pool_rows and not num_staging_rows:
+        raise ValueError(f"num_pool_rows={num_pool_rows} needs num_staging_rows > 0 (the step's mid-sequence "
+                         "captures are staged in float32 rows)")
     page = (layout.num_kv_heads, num_blocks, block_size, layout.head_dim)   # head-major (paged_attention.py)
     kv = tuple((jnp.zeros(page, layout.kv_storage), jnp.zeros(page, layout.kv_storage))
                for _ in range(layout.num_kv_layers))
@@ -96,7 +121,35 @@ def allocate_cache_buffers(layout: CacheLayout, *, num_blocks: int, block_size: 
                  for _ in range(layout.num_state_layers))
     recurrent = tuple(jnp.zeros((num_state_rows, layout.num_v_heads, layout.k_head_dim, layout.v_head_dim), jnp.float32)
                       for _ in range(layout.num_state_layers))
-    return CacheBuffers(kv=kv, conv=conv, recurrent=recurrent)
+    if not num_pool_rows or not layout.num_state_layers:
+        return CacheBuffers(kv=kv, conv=conv, recurrent=recurrent)
+    pool_conv = tuple(jnp.zeros((num_pool_rows, layout.conv_width - 1, layout.conv_dim), layout.dtype)
+                      for _ in range(layout.num_state_layers))
+    pool_recurrent = tuple(jnp.zeros((num_pool_rows, layout.num_v_heads, layout.k_head_dim, layout.v_head_dim),
+                                     layout.snapshot_dtype) for _ in range(layout.num_state_layers))
+    return CacheBuffers(kv=kv, conv=conv, recurrent=recurrent, snapshot_conv=pool_conv,
+                        snapshot_recurrent=pool_recurrent, num_staging_rows=num_staging_rows)
+
+
+# The float32 buffers' fields and the pool's, by part (split_rows).
+LIVE_PART, POOL_PART = ("conv", "recurrent"), ("snapshot_conv", "snapshot_recurrent")
+
+
+def split_rows(buffers: CacheBuffers, rows: list[int]) -> list[tuple[tuple[str, str], list[int], list[int]]]:
+    """(part, positions in `rows`, indices in that part's buffers) for the parts that the row ids address: every
+    row in the float32 buffers, or with a pool, ids from first_pool_row in the pool (at id - first_pool_row)."""
+    first = buffers.first_pool_row
+    if first is None:
+        return [(LIVE_PART, list(range(len(rows))), list(rows))] if rows else []
+    live = [(i, r) for i, r in enumerate(rows) if r < first]
+    pool = [(i, r - first) for i, r in enumerate(rows) if r >= first]
+    return [(part, [i for i, _ in pairs], [r for _, r in pairs]) for part, pairs in ((LIVE_PART, live),
+                                                                                     (POOL_PART, pool)) if pairs]
+
+
+def state_part(buffers: CacheBuffers, part: tuple[str, str]) -> tuple[tuple, tuple]:
+    """(conv, recurrent) per-layer tuples of one part of the buffers."""
+    return getattr(buffers, part[0]), getattr(buffers, part[1])
 
 
 # Blocks (rows) per jitted copy: bounds the temporary device memory of a gather and the shapes that compile.
@@ -124,25 +177,28 @@ class HostTierBuffers:
         for phase in plan.phases:
             t0 = time.perf_counter()
             for slots, blocks in _chunks(phase.kv_saves):
-                got = jax.device_get(_gather_blocks(buffers.kv, _padded(blocks, 0)))
+                got = jax.device_get(_gather_blocks(buffers.kv, padded_indices(blocks, 0)))
                 for (k, v), (gk, gv) in zip(self.kv, got):
                     k[:, slots], v[:, slots] = gk[:, :len(slots)], gv[:, :len(slots)]
             for slots, rows in _chunks(phase.state_saves):
-                conv, recurrent = jax.device_get(_gather_rows((buffers.conv, buffers.recurrent), _padded(rows, 0)))
-                for c, r, gc, gr in zip(self.conv, self.recurrent, conv, recurrent):
-                    c[slots], r[slots] = gc[:len(slots)], gr[:len(slots)]
+                for part, at, index in split_rows(buffers, rows):
+                    conv, recurrent = jax.device_get(_gather_rows(state_part(buffers, part), padded_indices(index, 0)))
+                    to = [slots[i] for i in at]
+                    for c, r, gc, gr in zip(self.conv, self.recurrent, conv, recurrent):
+                        c[to], r[to] = gc[:len(to)], gr[:len(to)]
             t1 = time.perf_counter()
             for blocks, slots in _chunks(phase.kv_loads):
-                padded = _padded(slots, 0)
+                padded = padded_indices(slots, 0)
                 values = tuple((k[:, padded], v[:, padded]) for k, v in self.kv)
-                kv = _scatter_blocks(buffers.kv, _padded(blocks, buffers.kv[0][0].shape[1]), values)
+                kv = _scatter_blocks(buffers.kv, padded_indices(blocks, buffers.kv[0][0].shape[1]), values)
                 buffers = buffers.replace(kv=kv)
             for rows, slots in _chunks(phase.state_loads):
-                padded = _padded(slots, 0)
-                values = (tuple(c[padded] for c in self.conv), tuple(r[padded] for r in self.recurrent))
-                conv, recurrent = _scatter_rows((buffers.conv, buffers.recurrent),
-                                                _padded(rows, buffers.conv[0].shape[0]), values)
-                buffers = buffers.replace(conv=conv, recurrent=recurrent)
+                for part, at, index in split_rows(buffers, rows):
+                    padded = padded_indices([slots[i] for i in at], 0)
+                    values = (tuple(c[padded] for c in self.conv), tuple(r[padded] for r in self.recurrent))
+                    state = state_part(buffers, part)
+                    conv, recurrent = _scatter_rows(state, padded_indices(index, state[0][0].shape[0]), values)
+                    buffers = buffers.replace(**{part[0]: conv, part[1]: recurrent})
             if phase.kv_loads or phase.state_loads:
                 jax.block_until_ready(buffers)
             t2 = time.perf_counter()
@@ -157,7 +213,7 @@ class HostTierBuffers:
         """Compiles every copy shape (powers of two up to MAX_COPY) on copies that read block / row 0 and write
         nothing; returns the buffers."""
         num_blocks = buffers.kv[0][0].shape[1]
-        num_rows = buffers.conv[0].shape[0] if buffers.conv else 0
+        parts = [LIVE_PART] + ([POOL_PART] if buffers.first_pool_row is not None else [])
         size = 1
         while size <= MAX_COPY:
             zeros, nowhere = np.zeros(size, np.int32), np.full(size, num_blocks, np.int32)
@@ -165,12 +221,12 @@ class HostTierBuffers:
                 jax.block_until_ready(_gather_blocks(buffers.kv, zeros))
                 values = tuple((k[:, zeros], v[:, zeros]) for k, v in self.kv)
                 buffers = buffers.replace(kv=_scatter_blocks(buffers.kv, nowhere, values))
-            if self.conv and self.conv[0].shape[0]:
-                jax.block_until_ready(_gather_rows((buffers.conv, buffers.recurrent), zeros))
+            for part in parts if self.conv and self.conv[0].shape[0] else ():
+                state = state_part(buffers, part)
+                jax.block_until_ready(_gather_rows(state, zeros))
                 values = (tuple(c[zeros] for c in self.conv), tuple(r[zeros] for r in self.recurrent))
-                conv, recurrent = _scatter_rows((buffers.conv, buffers.recurrent),
-                                                np.full(size, num_rows, np.int32), values)
-                buffers = buffers.replace(conv=conv, recurrent=recurrent)
+                conv, recurrent = _scatter_rows(state, np.full(size, state[0][0].shape[0], np.int32), values)
+                buffers = buffers.replace(**{part[0]: conv, part[1]: recurrent})
             size *= 2
         return jax.block_until_ready(buffers)
 
@@ -193,21 +249,27 @@ def gather_device_blocks(kv: tuple, blocks: list[int]) -> tuple:
     pieces = []
     for i in range(0, len(blocks), MAX_COPY):
         part = blocks[i:i + MAX_COPY]
-        got = jax.device_get(_gather_blocks(kv, _padded(part, 0)))
+        got = jax.device_get(_gather_blocks(kv, padded_indices(part, 0)))
         pieces.append([(k[:, :len(part)], v[:, :len(part)]) for k, v in got])
     return tuple((np.concatenate([p[layer][0] for p in pieces], axis=1),
                   np.concatenate([p[layer][1] for p in pieces], axis=1)) for layer in range(len(kv)))
 
 
-def gather_device_rows(conv: tuple, recurrent: tuple, rows: list[int]) -> tuple[tuple, tuple]:
-    """(conv, recurrent) of the layers given, each [len(rows), ...] numpy: the device rows' contents."""
-    pieces = []
-    for i in range(0, len(rows), MAX_COPY):
-        part = rows[i:i + MAX_COPY]
-        c, r = jax.device_get(_gather_rows((conv, recurrent), _padded(part, 0)))
-        pieces.append(([x[:len(part)] for x in c], [x[:len(part)] for x in r]))
-    return (tuple(np.concatenate([p[0][layer] for p in pieces]) for layer in range(len(conv))),
-            tuple(np.concatenate([p[1][layer] for p in pieces]) for layer in range(len(recurrent))))
+def gather_device_rows(buffers: CacheBuffers, rows: list[int], layer: int, kind: str) -> np.ndarray:
+    """One linear-attention layer's `kind` ("conv" or "recurrent") of the state rows `rows` (live rows or snapshot
+    ids), [len(rows), ...] numpy in the stored dtype (the narrowest of the parts read)."""
+    parts = split_rows(buffers, rows)
+    arrays = {part: state_part(buffers, part)[kind == "recurrent"][layer] for part, _, _ in parts}
+    first = arrays.get(LIVE_PART, arrays.get(POOL_PART, getattr(buffers, kind)[layer]))
+    dtype = min((a.dtype for a in arrays.values()), key=lambda d: jnp.dtype(d).itemsize, default=first.dtype)
+    out = np.zeros((len(rows),) + tuple(first.shape[1:]), jnp.dtype(dtype))
+    for part, at, index in parts:
+        state = ((arrays[part],), ()) if kind == "conv" else ((), (arrays[part],))
+        for i in range(0, len(index), MAX_COPY):
+            chunk = index[i:i + MAX_COPY]
+            c, r = jax.device_get(_gather_rows(state, padded_indices(chunk, 0)))
+            out[at[i:i + len(chunk)]] = (c or r)[0][:len(chunk)]
+    return out
 
 
 def write_blocks_and_rows(buffers: CacheBuffers, blocks: list[int], kv: tuple, rows: list[int], conv: tuple,
@@ -216,12 +278,12 @@ def write_blocks_and_rows(buffers: CacheBuffers, blocks: list[int], kv: tuple, r
     kv: per KV layer of the buffers (k, v) [Hkv, len(blocks), block_size, D] numpy; conv / recurrent: per
     linear-attention layer [len(rows), ...]; all in the buffers' (global, not per-device) layout."""
     for i in range(0, len(blocks), MAX_COPY):
-        part = _padded(blocks[i:i + MAX_COPY], buffers.kv[0][0].shape[1])
+        part = padded_indices(blocks[i:i + MAX_COPY], buffers.kv[0][0].shape[1])
         values = tuple((_padded_values(k[:, i:i + MAX_COPY], len(part), 1),
                         _padded_values(v[:, i:i + MAX_COPY], len(part), 1)) for k, v in kv)
         buffers = buffers.replace(kv=_scatter_blocks(buffers.kv, part, values))
     for i in range(0, len(rows), MAX_COPY):
-        part = _padded(rows[i:i + MAX_COPY], buffers.conv[0].shape[0])
+        part = padded_indices(rows[i:i + MAX_COPY], buffers.conv[0].shape[0])
         values = (tuple(_padded_values(c[i:i + MAX_COPY], len(part), 0) for c in conv),
                   tuple(_padded_values(r[i:i + MAX_COPY], len(part), 0) for r in recurrent))
         state = _scatter_rows((buffers.conv, buffers.recurrent), part, values)
@@ -243,43 +305,13 @@ def _chunks(pairs: dict[int, int]):
         yield keys[i:i + MAX_COPY], values[i:i + MAX_COPY]
 
 
-def apply_fork_copies(copies: ForkCopies, buffers: CacheBuffers) -> CacheBuffers:
-    """Runs the queued fork copies on the buffers (donated) -> the new buffers."""
-    if not copies:
-        return buffers
-    num_rows, num_blocks = _fork_bounds(buffers)
-    size = _pow2(max(len(copies.dst_rows), len(copies.dst_blocks)))      # blocks: the rows' size, or 1 if none
-    block_size = size if copies.dst_blocks else 1
-    return _fork_copy(buffers, _padded(copies.src_rows, 0, size), _padded(copies.dst_rows, num_rows, size),
-                      _padded(copies.src_blocks, 0, block_size), _padded(copies.dst_blocks, num_blocks, block_size))
-
-
-def warm_up_fork_copies(buffers: CacheBuffers, max_forks: int) -> CacheBuffers:
-    """Compiles every fork copy shape up to max_forks forks at once (rows and blocks padded to the same power of
-    two, or no block: a prompt that ends on a block boundary) on copies that write nothing."""
-    num_rows, num_blocks = _fork_bounds(buffers)
-    size = 1
-    while True:
-        for blocks in {size, 1}:
-            buffers = _fork_copy(buffers, np.zeros(size, np.int32), np.full(size, num_rows, np.int32),
-                                 np.zeros(blocks, np.int32), np.full(blocks, num_blocks, np.int32))
-        if size >= max_forks:
-            return buffers
-        size *= 2
-
-
-def _fork_bounds(buffers: CacheBuffers) -> tuple[int, int]:
-    """(state rows, KV blocks) of the buffers: the out-of-range index of each."""
-    return (buffers.conv[0].shape[0] if buffers.conv else 1), (buffers.kv[0][0].shape[1] if buffers.kv else 1)
-
-
-def _pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _padded(indices: list[int], fill: int, size: int | None = None) -> np.ndarray:
+def padded_indices(indices: list[int], fill: int, size: int | None = None) -> np.ndarray:
     """indices as int32, padded with `fill` to `size` (default: the next power of two; bounded compilations)."""
-    out = np.full(_pow2(len(indices)) if size is None else size, fill, np.int32)
+    out = np.full(next_pow2(len(indices)) if size is None else size, fill, np.int32)
     out[:len(indices)] = indices
     return out
 
@@ -314,17 +346,3 @@ def _scatter_rows(state, rows, values):   # out-of-range rows dropped
     (conv, recurrent), (vc, vr) = state, values
     return (tuple(c.at[rows].set(x.astype(c.dtype), mode="drop") for c, x in zip(conv, vc)),
             tuple(r.at[rows].set(x.astype(r.dtype), mode="drop") for r, x in zip(recurrent, vr)))
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _fork_copy(buffers: CacheBuffers, src_rows, dst_rows, src_blocks, dst_blocks) -> CacheBuffers:
-    # all reads happen before any write: a functional gather of the old buffers, then the scatter
-    def rows(x):                     # [R, ...]
-        return x.at[dst_rows].set(x[src_rows], mode="drop")
-
-    def blocks(x):                   # [Hkv, num_blocks, block_size, D]
-        return x.at[page_index(x, dst_blocks)].set(x[page_index(x, src_blocks)], mode="drop")
-
-    return CacheBuffers(kv=tuple((blocks(k), blocks(v)) for k, v in buffers.kv),
-                        conv=tuple(rows(c) for c in buffers.conv),
-                        recurrent=tuple(rows(r) for r in buffers.recurrent))

@@ -41,8 +41,8 @@ def save_prefix_cache(directory: str | os.PathLike, cache: CacheManager, host: H
     for i, (conv, recurrent) in enumerate(zip(buffers.conv, buffers.recurrent)):
         for part, rows in (("conv", conv), ("recurrent", recurrent)):
             make = (lambda i=i, part=part: _rows(index, buffers, host, i, part))
-            stored = getattr(host, part)[i].dtype if host is not None else rows.dtype   # the snapshot dtype
-            specs.append(ArraySpec(f"{part}.{i}", np.dtype(stored).name, (s,) + tuple(rows.shape[1:]), make))
+            specs.append(ArraySpec(f"{part}.{i}", np.dtype(_stored_dtype(buffers, host, i, part)).name,
+                                   (s,) + tuple(rows.shape[1:]), make))
     header = {"fingerprint": fingerprint, "num_blocks": n, "num_snapshots": s, "block_size": index.block_size}
     return write_cache_file(directory, header, specs)
 
@@ -102,12 +102,16 @@ def _rows(index: CacheIndex, buffers, host: HostTierBuffers | None, layer: int, 
     on_device = [i for i, (tier, _) in enumerate(index.snapshot_sources) if tier == DEVICE]
     on_host = [i for i, (tier, _) in enumerate(index.snapshot_sources) if tier != DEVICE]
     rows = getattr(buffers, part)[layer]
-    stored = getattr(host, part)[layer].dtype if host is not None else rows.dtype   # narrower with mamba_ssm_cache_dtype
-    out = np.zeros((index.num_snapshots,) + tuple(rows.shape[1:]), np.dtype(stored))
+    out = np.zeros((index.num_snapshots,) + tuple(rows.shape[1:]), np.dtype(_stored_dtype(buffers, host, layer, part)))
     if on_device:
-        state = ((rows,), ()) if part == "conv" else ((), (rows,))
-        conv, recurrent = gather_device_rows(*state, [index.snapshot_sources[i][1] for i in on_device])
-        out[on_device] = (conv or recurrent)[0]
+        out[on_device] = gather_device_rows(buffers, [index.snapshot_sources[i][1] for i in on_device], layer, part)
     if on_host:
         out[on_host] = getattr(host, part)[layer][[index.snapshot_sources[i][1] for i in on_host]]
     return out
+
+
+def _stored_dtype(buffers, host: HostTierBuffers | None, layer: int, part: str):
+    """A snapshot's `part` as stored: narrower with mamba_ssm_cache_dtype (the host tier's, or the device pool's)."""
+    if host is not None:
+        return getattr(host, part)[layer].dtype
+    return (getattr(buffers, "snapshot_" + part) or getattr(buffers, part))[layer].dtype

@@ -34,7 +34,7 @@ class SnapshotLifecycle:
                  registry: MambaPrefixRegistry, tier: HostTier):
         self.config, self.policy, self.stats = config, policy, stats
         self.blocks, self.registry, self.tier = blocks, registry, tier
-        first = config.num_live_slots + 1
+        first = config.first_snapshot_row
         self.pool = SnapshotPool(range(first, first + config.num_snapshot_slots),
                                  on_evict=weak_method(self._on_evicted))
 

@@ -97,7 +97,7 @@ def main(argv=None) -> None:
     base = ModelConfig.from_hf_config(FLAGSHIP)
     print(f"# {base.num_hidden_layers} layers: {len(base.full_layer_ids)} full attention, "
           f"{len(base.linear_layer_ids)} DeltaNet; {tp} devices of {args.device_gib} GiB, {args.weights} weights, "
-          f"kv_cache_dtype {args.kv_cache_dtype}\n")
+          f"kv_cache_dtype {args.kv_cache_dtype}, mamba_ssm_cache_dtype {args.mamba_ssm_cache_dtype}\n")
     for expert_parallel in (False, True):
         cfg = parallel_config(base, tp, expert_parallel)
         parts = weight_bytes_per_device(cfg, tp, dtype, args.weights)
@@ -115,7 +115,9 @@ def main(argv=None) -> None:
         print(f"cache budget {budget / GIB:.2f} GiB = {args.gpu_memory_utilization} x {args.device_gib} - weights - "
               f"{args.activation_gib} activations")
         print(f"KV block ({config.block_size} tokens) {layout.kv_bytes_per_block(config.block_size) // tp} bytes "
-              f"per device; state row {layout.state_bytes_per_row // tp} bytes per device")
+              f"per device; state row {layout.state_bytes_per_row // tp} bytes per device"
+              + (f", snapshot row {sizes.snapshot_row_bytes} ({args.mamba_ssm_cache_dtype} recurrent state)"
+                 if sizes.snapshot_row_bytes else ""))
         print(sizes.describe() + "\n")
 
     h, layers = base.hidden_size, base.num_hidden_layers

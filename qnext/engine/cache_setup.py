@@ -39,6 +39,10 @@ from qnext.model.host_devices import engine_devices
 logger = logging.getLogger("qnext.engine")
 
 SNAPSHOTS_PER_SEQ = 4      # default snapshot rows per running sequence where no byte budget is given
+# Float32 rows a step with a narrow snapshot pool (mamba_ssm_cache_dtype bfloat16) stages its captures inside
+# segments in (qnext/model/snapshot_staging.py): the most such captures a step takes (a prompt's last block
+# boundary, its branch point, turn starts and checkpoints). Each costs a live row (22.9 MiB at the flagship's TP8).
+STAGING_ROWS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +77,9 @@ def cache_sizes(cfg: ModelConfig, c: EngineConfig, max_model_len: int, activatio
     split = tp if cfg.attention_tensor_parallel else 1                # buffers split by head, or whole
     kv_per_block = layout.kv_bytes_per_block(c.block_size) // split     # per device
     row_bytes = layout.state_bytes_per_row // split if hybrid else 0
+    narrow = hybrid and c.enable_prefix_caching and layout.narrow_snapshots     # a separate, narrow snapshot pool
+    snapshot_row = layout.snapshot_bytes_per_row // split if narrow else row_bytes
+    staging = STAGING_ROWS if narrow else 0
     blocks_per_seq = -(-max_model_len // c.block_size)
     requested = c.max_num_snapshots
     if requested is None:
@@ -87,11 +94,11 @@ def cache_sizes(cfg: ModelConfig, c: EngineConfig, max_model_len: int, activatio
                              f"cannot hold one sequence of max_model_len {max_model_len}")
         snapshots = requested
         if c.snapshot_memory_bytes is not None and row_bytes:
-            snapshots = min(snapshots, c.snapshot_memory_bytes // row_bytes)
-        state = (1 + c.max_num_seqs + snapshots) * row_bytes
+            snapshots = min(snapshots, c.snapshot_memory_bytes // snapshot_row)
+        state = (1 + c.max_num_seqs + staging) * row_bytes + snapshots * snapshot_row
         kv = (c.num_gpu_blocks_override + 1) * kv_per_block
         return CacheSizes(c.num_gpu_blocks_override, c.block_size, c.max_num_seqs, snapshots, kv, state, kv + state,
-                          requested)
+                          requested, staging, snapshot_row if narrow else None)
 
     stats = device_memory_stats() if c.kv_cache_memory_bytes is None else None
     if c.kv_cache_memory_bytes is not None:
@@ -107,12 +114,13 @@ def cache_sizes(cfg: ModelConfig, c: EngineConfig, max_model_len: int, activatio
                              "activations; raise it or set kv_cache_memory_bytes")
     else:                                  # CPU: max_num_seqs full-length sequences and their snapshot rows
         budget = ((c.max_num_seqs * blocks_per_seq + 1) * kv_per_block
-                  + (1 + c.max_num_seqs + requested) * row_bytes)
+                  + (1 + c.max_num_seqs + staging) * row_bytes + requested * snapshot_row)
     fraction = c.snapshot_memory_fraction if c.enable_prefix_caching or c.max_num_snapshots else 0.0
     return plan_cache(budget, kv_bytes_per_block=kv_per_block, state_bytes_per_row=row_bytes,
                       block_size=c.block_size, max_num_seqs=c.max_num_seqs, max_model_len=max_model_len,
                       snapshot_memory_fraction=fraction, max_num_snapshots=row_cap,
-                      snapshot_memory_bytes=c.snapshot_memory_bytes)
+                      snapshot_memory_bytes=c.snapshot_memory_bytes,
+                      snapshot_bytes_per_row=snapshot_row if narrow else None, num_staging_rows=staging)
 
 
 def host_tier_sizes(cfg: ModelConfig, c: EngineConfig, sizes: CacheSizes) -> tuple[int, int]:
@@ -121,7 +129,7 @@ def host_tier_sizes(cfg: ModelConfig, c: EngineConfig, sizes: CacheSizes) -> tup
         return 0, 0
     layout = engine_cache_layout(sharded_model_config(cfg, c.tensor_parallel_size), c)
     block_bytes = layout.kv_bytes_per_block(c.block_size)
-    row_bytes = layout.host_state_bytes_per_row if cfg.linear_layer_ids else 0
+    row_bytes = layout.snapshot_bytes_per_row if cfg.linear_layer_ids else 0
     budget = int(c.kv_offloading_size * GIB)
     if budget:
         scale = budget / (sizes.num_blocks * block_bytes + sizes.num_snapshot_rows * row_bytes)
@@ -137,15 +145,20 @@ def make_cache(cfg: ModelConfig, c: EngineConfig, sizes: CacheSizes, mesh=None,
     and the host tier's arrays (None without a host tier). With `prefix_cache_dir` (and its `fingerprint`) the
     setup names the cache file to load into the host tier."""
     host_blocks, host_snapshots = host_tier_sizes(cfg, c, sizes)
+    staging = sizes.num_staging_rows if sizes.num_snapshot_rows else 0    # no snapshot rows: no pool to stage for
     cfg = sharded_model_config(cfg, c.tensor_parallel_size)      # the buffers hold the replicated heads too
     config = CacheConfig(block_size=c.block_size, num_blocks=sizes.num_blocks + 1, num_live_slots=sizes.num_live_rows,
                          num_snapshot_slots=sizes.num_snapshot_rows, enable_prefix_caching=c.enable_prefix_caching,
                          hybrid=bool(cfg.linear_layer_ids), num_host_blocks=host_blocks,
-                         num_host_snapshot_slots=host_snapshots)
+                         num_host_snapshot_slots=host_snapshots, num_staging_rows=staging)
     layout: CacheLayout = engine_cache_layout(cfg, c)
+    if staging:     # the narrow pool: float32 rows for the zero, live and staging rows; the snapshots in the pool
+        rows = dict(num_state_rows=num_state_rows(sizes.num_live_rows + staging, 0),
+                    num_pool_rows=sizes.num_snapshot_rows, num_staging_rows=staging)
+    else:
+        rows = dict(num_state_rows=num_state_rows(sizes.num_live_rows, sizes.num_snapshot_rows))
     allocate = functools.partial(allocate_cache_buffers, layout, num_blocks=sizes.num_blocks + 1,
-                                 block_size=c.block_size,
-                                 num_state_rows=num_state_rows(sizes.num_live_rows, sizes.num_snapshot_rows))
+                                 block_size=c.block_size, **rows)
     # committed to the device, as the params and every step's outputs are (uncommitted, the first shape that runs
     # compiles again on its second call)
     buffers = (sharded_buffers(allocate, mesh, cfg) if mesh is not None

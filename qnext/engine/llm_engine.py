@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import jax
 
-from cache.device_buffers import warm_up_fork_copies
+from cache.fork_copies import warm_up_fork_copies
 from cache.fingerprint import files_digest_memoized
 from qnext.config import ModelConfig
 from qnext.engine.cache_setup import cache_sizes, make_cache, params_weights_digest, prefix_cache_fingerprint
@@ -215,8 +215,9 @@ class LLMEngine(PrefillDecodeEnds):
         return len(self.scheduler.waiting)
 
     def cache_info(self) -> dict:
-        """The cache's split: num_blocks, block_size, kv_bytes, num_live_rows, num_snapshot_rows, state_bytes
-        (live + snapshot rows, the zero row included) and budget_bytes (per device)."""
+        """The cache's split: num_blocks, block_size, kv_bytes, num_live_rows, num_snapshot_rows, num_staging_rows
+        (float32 rows of a narrow snapshot pool's step; 0 with float32 snapshots), state_bytes (live, staging and
+        snapshot rows, the zero row included) and budget_bytes (per device)."""
         return self.cache_sizes.as_dict()
 
     @property

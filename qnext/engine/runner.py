@@ -224,10 +224,13 @@ class ModelRunner:
                               self.params["embed"].dtype, 0, self.config.kv_cache_dtype,
                               self.config.mamba_ssm_cache_dtype)
         params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.params)
+        narrow = layout.narrow_snapshots and layout.num_state_layers and self.config.enable_prefix_caching
 
         def temp_and_cache_bytes(num_blocks, num_rows):
+            rows = (dict(num_state_rows=num_rows + 1, num_pool_rows=num_rows, num_staging_rows=1) if narrow
+                    else dict(num_state_rows=num_rows))                 # narrow: the pool grows too
             buffers = jax.eval_shape(lambda: allocate_cache_buffers(
-                layout, num_blocks=num_blocks, block_size=self.config.block_size, num_state_rows=num_rows))
+                layout, num_blocks=num_blocks, block_size=self.config.block_size, **rows))
             analysis = self._step.lower(params, buffers, inputs).compile().memory_analysis()
             temp = int(getattr(analysis, "temp_size_in_bytes", 0) or 0) if analysis is not None else 0
             return temp, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(buffers))

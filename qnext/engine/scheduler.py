@@ -177,15 +177,22 @@ class Scheduler:
 
     def _reserve_capture_rows(self, work: list[Work]) -> dict[tuple[str, int], int]:
         """Snapshot rows for this step's capture positions: the prompt's planned captures, or the decode tracking
-        row at a block boundary. A position without a row (pool exhausted) captures nothing."""
+        row at a block boundary. A position without a row (pool exhausted) captures nothing. With a narrow snapshot
+        pool, a capture inside a segment (not at its end) is staged in a float32 row (qnext/model/snapshot_staging.py):
+        at most num_staging_rows of them a step, the others capture nothing."""
         rows = {}
+        staging, staged = self.cache.config.num_staging_rows, 0
         for w in work:
             rid = w.seq.request_id
             for p in w.captures:
+                mid = bool(staging) and w.num_tokens > 1 and p < w.end
+                if mid and staged == staging:
+                    continue
                 row = (self.cache.decode_capture_row(rid, p) if w.num_tokens == 1
                        else self.cache.reserve_capture(rid, p))
                 if row is not None:
                     rows[(rid, p)] = row
+                    staged += mid
         return rows
 
     # ---- after the step ---------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from qnext.model.deltanet import gated_deltanet
 from qnext.model.linear import linear
 from qnext.model.mlp import feed_forward
 from qnext.model.norms import rms_norm
+from qnext.model.snapshot_staging import capture_rows, restore_rows, stage
 from qnext.model.step_inputs import StepInputs
 from qnext.model.tensor_parallel import all_reduce, gather_vocab, mixer_all_reduce
 
@@ -20,19 +21,30 @@ from qnext.model.tensor_parallel import all_reduce, gather_vocab, mixer_all_redu
 def decoder_stack(params, buffers: CacheBuffers, inputs: StepInputs, cfg: ModelConfig, linear_layer=None):
     """The decoder layers over the flat batch: (x [T, H] before the final norm, updated buffers). KV layers of the
     buffers past the model's own (the MTP head's) pass through untouched. `linear_layer(p, h, conv, recurrent,
-    inputs, cfg) -> (out, conv, recurrent)` replaces the Gated DeltaNet core (the verify step's per-position form)."""
+    inputs, cfg) -> (out, conv, recurrent)` replaces the Gated DeltaNet core (the verify step's per-position form,
+    which captures nothing itself: qnext/model/verify.py's commit_positions writes its captures). With a narrow
+    snapshot pool, snapshot reads and captures are staged through float32 rows (qnext/model/snapshot_staging.py)."""
+    captures_here = linear_layer is None
     linear_layer = linear_layer or gated_deltanet
+    inputs, moves = stage(buffers, inputs)
     x = params["embed"][inputs.token_ids]
     if inputs.visual_embeds is not None:          # image / video pad tokens take the tower's output
         x = x.at[inputs.visual_token_index].set(inputs.visual_embeds.astype(x.dtype), mode="drop")
     kv, conv, recurrent = list(buffers.kv), list(buffers.conv), list(buffers.recurrent)
+    pool_conv, pool_recurrent = list(buffers.snapshot_conv), list(buffers.snapshot_recurrent)
     kv_i = lin_i = 0
     for i, p in enumerate(params["layers"]):
         with jax.named_scope(f"layer_{i}"):
             h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
             if cfg.is_linear_layer(i):
-                out, conv[lin_i], recurrent[lin_i] = linear_layer(p["attn"], h, conv[lin_i], recurrent[lin_i],
-                                                                  inputs, cfg)
+                j = lin_i
+                if moves is not None:
+                    conv[j], recurrent[j], pool_conv[j], pool_recurrent[j] = restore_rows(
+                        conv[j], recurrent[j], pool_conv[j], pool_recurrent[j], moves)
+                out, conv[j], recurrent[j] = linear_layer(p["attn"], h, conv[j], recurrent[j], inputs, cfg)
+                if moves is not None and captures_here:
+                    conv[j], recurrent[j], pool_conv[j], pool_recurrent[j] = capture_rows(
+                        conv[j], recurrent[j], pool_conv[j], pool_recurrent[j], moves)
                 lin_i += 1
             else:
                 out, kv[kv_i] = full_attention(p["attn"], h, kv[kv_i], inputs, cfg)
@@ -40,7 +52,8 @@ def decoder_stack(params, buffers: CacheBuffers, inputs: StepInputs, cfg: ModelC
             x = x + mixer_all_reduce(out, cfg)        # the sum of the devices' partial outputs (tensor parallel)
             mlp_out = feed_forward(p["mlp"], rms_norm(x, p["post_attn_norm"], cfg.rms_norm_eps), cfg, i)
             x = x + all_reduce(mlp_out, cfg)
-    return x, CacheBuffers(kv=tuple(kv), conv=tuple(conv), recurrent=tuple(recurrent))
+    return x, buffers.replace(kv=tuple(kv), conv=tuple(conv), recurrent=tuple(recurrent),
+                              snapshot_conv=tuple(pool_conv), snapshot_recurrent=tuple(pool_recurrent))
 
 
 def lm_logits(params, h, cfg: ModelConfig):

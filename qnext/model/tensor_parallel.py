@@ -179,8 +179,11 @@ def buffer_specs(buffers: CacheBuffers, cfg: ModelConfig) -> CacheBuffers:
     whole on every device without attention TP."""
     if not cfg.attention_tensor_parallel:
         return jax.tree.map(lambda _: P(), buffers)
-    return CacheBuffers(kv=tuple((_spec(0), _spec(0)) for _ in buffers.kv), conv=tuple(_spec(2) for _ in buffers.conv),
-                        recurrent=tuple(_spec(1) for _ in buffers.recurrent))
+    return buffers.replace(kv=tuple((_spec(0), _spec(0)) for _ in buffers.kv),
+                           conv=tuple(_spec(2) for _ in buffers.conv),
+                           recurrent=tuple(_spec(1) for _ in buffers.recurrent),
+                           snapshot_conv=tuple(_spec(2) for _ in buffers.snapshot_conv),
+                           snapshot_recurrent=tuple(_spec(1) for _ in buffers.snapshot_recurrent))
 
 
 def _device_major(x, axis: int, segments: list[int], tp: int, name: str = ""):

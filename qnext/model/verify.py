@@ -68,23 +68,34 @@ def commit_positions(buffers: CacheBuffers, keep, write_row, capture_at, capture
     """`buffers` as decoder_stack returns them with verify_deltanet: conv entries (pool, window), recurrent entries
     (pool, states). Writes, per row, the state after position keep[i] (its last kept token) into write_row[i],
     and the state after position capture_at[i] into capture_row[i] when capture_row[i] > 0 and capture_at[i] <=
-    keep[i]. Rows with write_row 0 (padding) write nothing: row 0 stays the zero state. Returns plain buffers."""
+    keep[i] (with a narrow snapshot pool, capture rows are pool ids: narrowed into the pool). Rows with write_row 0
+    (padding) write nothing: row 0 stays the zero state. Returns plain buffers."""
+    first = buffers.conv[0][0].shape[0] if buffers.snapshot_recurrent else 0   # pool ids from here (0: no pool)
     live = jnp.where(write_row > 0, write_row, -1)
-    capture = jnp.where((capture_row > 0) & (capture_at <= keep) & (write_row > 0), capture_row, -1)
-    new_conv, new_recurrent = [], []
-    for (conv, window), (recurrent, states) in zip(buffers.conv, buffers.recurrent):
+    capture = jnp.where((capture_row > 0) & (capture_at <= keep) & (write_row > 0), capture_row - first, -1)
+    pools = zip(buffers.snapshot_conv, buffers.snapshot_recurrent) if first else [(None, None)] * len(buffers.conv)
+    new_conv, new_recurrent, new_pool_conv, new_pool_recurrent = [], [], [], []
+    for (conv, window), (recurrent, states), (pool_conv, pool_recurrent) in zip(buffers.conv, buffers.recurrent,
+                                                                                 pools):
         halo = conv.shape[1]
 
-        def conv_after(j):                        # [D, K-1, C]: the last K-1 inputs through position j
-            idx = (j + 1)[:, None] + jnp.arange(halo)[None, :]
-            return jnp.take_along_axis(window, idx[..., None], axis=1).astype(conv.dtype)
-
-        for row, j in ((live, keep), (capture, capture_at)):
+        def put(conv, recurrent, row, j):         # the state after position j of row i into conv / recurrent[row[i]]
+            idx = (jnp.clip(j, 0, len(states) - 1) + 1)[:, None] + jnp.arange(halo)[None, :]
+            after = jnp.take_along_axis(window, idx[..., None], axis=1)      # [D, K-1, C]: inputs through j
             chosen = functools.reduce(lambda acc, t: jnp.where((j == t)[:, None, None, None], states[t], acc),
                                       range(1, len(states)), states[0])       # [D, Hv, dk, dv]: state j of row i
-            target = jnp.where(row > 0, row, conv.shape[0])          # out of bounds: dropped
-            conv = conv.at[target].set(conv_after(jnp.clip(j, 0, len(states) - 1)), mode="drop")
-            recurrent = recurrent.at[target].set(chosen.astype(recurrent.dtype), mode="drop")
+            target = jnp.where(row >= 0, row, conv.shape[0])          # out of bounds: dropped
+            return (conv.at[target].set(after.astype(conv.dtype), mode="drop"),
+                    recurrent.at[target].set(chosen.astype(recurrent.dtype), mode="drop"))
+
+        conv, recurrent = put(conv, recurrent, live, keep)
+        if pool_conv is None:
+            conv, recurrent = put(conv, recurrent, capture, capture_at)
+        else:
+            pool_conv, pool_recurrent = put(pool_conv, pool_recurrent, capture, capture_at)
+            new_pool_conv.append(pool_conv)
+            new_pool_recurrent.append(pool_recurrent)
         new_conv.append(conv)
         new_recurrent.append(recurrent)
-    return CacheBuffers(kv=buffers.kv, conv=tuple(new_conv), recurrent=tuple(new_recurrent))
+    return buffers.replace(conv=tuple(new_conv), recurrent=tuple(new_recurrent),
+                           snapshot_conv=tuple(new_pool_conv), snapshot_recurrent=tuple(new_pool_recurrent))

@@ -61,7 +61,7 @@ def test_log_line_and_dict():
     assert f"{s.num_blocks} KV blocks = {s.num_blocks * BS} tokens" in line
     assert "8 live state rows" in line and f"{s.num_snapshot_rows} snapshot rows" in line and "\n" not in line
     assert set(s.as_dict()) == {"num_blocks", "block_size", "kv_bytes", "num_live_rows", "num_snapshot_rows",
-                                "state_bytes", "budget_bytes"}
+                                "num_staging_rows", "state_bytes", "budget_bytes"}
     assert s.as_dict()["kv_bytes"] + s.as_dict()["state_bytes"] <= s.budget_bytes
 
 

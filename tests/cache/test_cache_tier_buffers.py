@@ -68,8 +68,8 @@ def test_gathers_for_the_cache_file_read_exactly_the_blocks_and_rows_asked(monke
     got = gather_device_blocks(buffers.kv, [7, 1, 2, 8, 7])
     assert all(np.array_equal(g, pages[:, [7, 1, 2, 8, 7]]) for (k, v), pair in zip(kv, got)
                for pages, g in zip((k, v), pair))
-    got_conv, got_recurrent = gather_device_rows(buffers.conv, buffers.recurrent, [5, 1, 3])
-    assert np.array_equal(got_conv[0], conv[[5, 1, 3]]) and np.array_equal(got_recurrent[0], recurrent[[5, 1, 3]])
+    got_conv, got_recurrent = (gather_device_rows(buffers, [5, 1, 3], 0, kind) for kind in ("conv", "recurrent"))
+    assert np.array_equal(got_conv, conv[[5, 1, 3]]) and np.array_equal(got_recurrent, recurrent[[5, 1, 3]])
 
 
 def test_warm_up_writes_nothing():

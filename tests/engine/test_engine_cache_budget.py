@@ -17,12 +17,17 @@ def buffer_bytes(llm) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(llm.engine.scheduler.cache.buffers))
 
 
-def test_byte_budget_bounds_the_buffers_and_cache_info_agrees(tiny_checkpoint):
+@pytest.mark.parametrize("snapshots", ["auto", "bfloat16"], ids=["float32_snapshots", "bf16_snapshot_pool"])
+def test_byte_budget_bounds_the_buffers_and_cache_info_agrees(tiny_checkpoint, snapshots):
+    """With a bf16 snapshot pool too: the buffers (float32 live and staging rows, the narrow pool) are the bytes
+    the sizing counted."""
     budget = 600_000
-    llm = qnext.LLM(tiny_checkpoint("qwen3_next"), kv_cache_memory_bytes=budget, **ENGINE)
+    llm = qnext.LLM(tiny_checkpoint("qwen3_next"), kv_cache_memory_bytes=budget, mamba_ssm_cache_dtype=snapshots,
+                    **ENGINE)
     info = llm.cache_info()
-    assert set(info) == {"num_blocks", "block_size", "kv_bytes", "num_live_rows", "num_snapshot_rows", "state_bytes",
-                         "budget_bytes"}
+    assert set(info) == {"num_blocks", "block_size", "kv_bytes", "num_live_rows", "num_snapshot_rows",
+                         "num_staging_rows", "state_bytes", "budget_bytes"}
+    assert (info["num_staging_rows"] > 0) == (snapshots == "bfloat16")
     assert buffer_bytes(llm) == info["kv_bytes"] + info["state_bytes"] <= budget == info["budget_bytes"]
     assert info["num_live_rows"] == ENGINE["max_num_seqs"] and info["num_snapshot_rows"] > 0
     assert info["num_blocks"] * info["block_size"] >= ENGINE["max_model_len"]

@@ -353,3 +353,20 @@ def test_serve_flag_takes_vllms_json():
     assert args.speculative_config == {"method": "mtp", "num_speculative_tokens": 3}
     with pytest.raises(SystemExit):                       # argparse reports the JSON error and exits
         parser.parse_args(["serve", "--speculative-config", "{method: mtp}"])
+
+
+def test_speculative_steps_capture_and_restore_through_a_bf16_snapshot_pool(checkpoint):
+    """mamba_ssm_cache_dtype bfloat16: the verify step restores from the narrow device pool and commit_positions
+    writes its block-boundary captures into it; the tokens equal plain decoding's with the same pool, and the second
+    turn comes from it."""
+    plain = LLM(checkpoint, mamba_ssm_cache_dtype="bfloat16", **OPTIONS)
+    spec = LLM(checkpoint, speculative_config=SPEC, mamba_ssm_cache_dtype="bfloat16", **OPTIONS)
+    assert spec.engine.scheduler.cache.buffers.snapshot_recurrent[0].dtype.name == "bfloat16"
+    batch = prompts(4, offset=50)
+    got = spec.generate(batch, GREEDY)
+    assert tokens(got) == tokens(plain.generate(batch, GREEDY))
+    turn = second_turn(batch, got)
+    got2 = spec.generate(turn, GREEDY)
+    assert tokens(got2) == tokens(plain.generate(turn, GREEDY))
+    assert all(o.num_cached_tokens > 0 for o in got2)
+    assert spec.engine.cache_stats.snapshots_restored > 0 and spec.engine.stats.num_spec_rows > 0

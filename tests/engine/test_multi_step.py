@@ -116,12 +116,16 @@ def window_reaches_boundary(prompt_len, j):
     return computed % 16 and (computed // 16 + 1) * 16 <= window_end
 
 
-def test_multi_step_chat_reuses_like_single_steps(path):
+@pytest.mark.parametrize("snapshots", ["auto", "bfloat16"], ids=["float32_snapshots", "bf16_snapshot_pool"])
+def test_multi_step_chat_reuses_like_single_steps(path, snapshots):
     """Turn ends at varied offsets from block boundaries: the decode tracking snapshot the next turn restores is
     the same. One turn stops on a stop token id 1-3 tokens before a block boundary, inside a call's window: the
-    device must stop that row there, or it would overwrite the tracking snapshot with a state past the stop."""
-    single = qnext.LLM(path, **ENGINE)
-    multi = qnext.LLM(path, num_scheduler_steps=STEPS, **ENGINE)
+    device must stop that row there, or it would overwrite the tracking snapshot with a state past the stop.
+    With a bf16 device snapshot pool the window's captures and restores go through it (the same rounding both
+    ways: single and multi-step equal)."""
+    single = qnext.LLM(path, mamba_ssm_cache_dtype=snapshots, **ENGINE)
+    multi = qnext.LLM(path, num_scheduler_steps=STEPS, mamba_ssm_cache_dtype=snapshots, **ENGINE)
+    assert bool(multi.engine.scheduler.cache.buffers.snapshot_recurrent) == (snapshots == "bfloat16")
     probe = qnext.LLM(path, enable_prefix_caching=False, **ENGINE)
     rng = np.random.default_rng(4)
     history = rng.integers(3, 500, 22).tolist()

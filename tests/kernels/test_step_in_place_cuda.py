@@ -30,22 +30,35 @@ from qnext.model.weights import map_specs, param_specs
 from qnext.testing.tiny_checkpoint import tiny_hf_config
 
 BLOCK_SIZE, NUM_BLOCKS, NUM_ROWS = 16, 50, 7      # sizes no other array of the step has
+NUM_POOL_ROWS, NUM_STAGING_ROWS = 11, 2           # a narrow (bf16) snapshot pool's rows, and the float32 staging rows
+
+
+def _buffers(cfg, dtype, narrow: bool, extra_kv_layers: int = 0):
+    """The cache buffers' shapes: one float32 state buffer, or (narrow) live rows + a bf16 snapshot pool."""
+    if not narrow:
+        return jax.eval_shape(lambda: allocate_cache_buffers(cache_layout(cfg, dtype, extra_kv_layers),
+                                                             num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                                                             num_state_rows=NUM_ROWS))
+    layout = cache_layout(cfg, dtype, extra_kv_layers, mamba_ssm_cache_dtype="bfloat16")
+    return jax.eval_shape(lambda: allocate_cache_buffers(layout, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                                                         num_state_rows=NUM_ROWS, num_pool_rows=NUM_POOL_ROWS,
+                                                         num_staging_rows=NUM_STAGING_ROWS))
 
 
 def _mlir_type(x) -> str:
     return f"tensor<{'x'.join(map(str, x.shape))}x{jnp.dtype(x.dtype).name.replace('float', 'f')}>"
 
 
-def _lowered_step(kernels: str, multi_step: bool = False, dtype=jnp.bfloat16):
+def _lowered_step(kernels: str, multi_step: bool = False, dtype=jnp.bfloat16, narrow: bool = False):
     """(StableHLO text, cache buffer types, index of the first cache argument, their count) of the small bench
     model's step for a mixed bucket (decode rows and 64-token prefill groups), bf16, on CUDA with `kernels`; or of
-    its multi-step decode call (8 steps of 2 rows). float32 pages: the Mosaic backend's attention runs the reference."""
+    its multi-step decode call (8 steps of 2 rows). float32 pages: the Mosaic backend's attention runs the reference.
+    narrow: with a bf16 snapshot pool (the step's restores and captures staged through float32 rows)."""
     preset = PRESETS["small"]                      # real head dims: the Mosaic kernels take these shapes
     cfg = dataclasses.replace(ModelConfig.from_hf_config(tiny_hf_config(preset.family, **preset.overrides)),
                               backend="gpu", gpu_kernels=kernels)
     params = map_specs(lambda _, s: jax.ShapeDtypeStruct(s.shape, s.dtype), param_specs(cfg, jnp.dtype(dtype).name))
-    buffers = jax.eval_shape(lambda: allocate_cache_buffers(cache_layout(cfg, dtype), num_blocks=NUM_BLOCKS,
-                                                            block_size=BLOCK_SIZE, num_state_rows=NUM_ROWS))
+    buffers = _buffers(cfg, dtype, narrow)
     table = BucketTable(max_num_seqs=4, max_num_batched_tokens=128, max_blocks=8, prefill_chunk=64,
                         max_prefill_groups_extra=2)
     if multi_step:
@@ -96,10 +109,11 @@ def _step_violations(text: str, cache_types: set[str], first: int, count: int) -
     return bad
 
 
+@pytest.mark.parametrize("narrow", [False, True], ids=["one_state_buffer", "bf16_snapshot_pool"])
 @pytest.mark.parametrize("multi_step", [False, True], ids=["step", "multi_step"])
 @pytest.mark.parametrize("kernels", ["mosaic", "triton"])
-def test_engine_step_updates_every_cache_buffer_in_place_on_cuda(kernels, multi_step):
-    text, cache_types, first, count = _lowered_step(kernels, multi_step)
+def test_engine_step_updates_every_cache_buffer_in_place_on_cuda(kernels, multi_step, narrow):
+    text, cache_types, first, count = _lowered_step(kernels, multi_step, narrow=narrow)
     assert ("mosaic_gpu" in text) == (kernels == "mosaic") and ("xla.gpu.triton" in text) == (kernels == "triton")
     assert _step_violations(text, cache_types, first, count) == []
 
@@ -129,7 +143,7 @@ def test_the_check_sees_a_scatter_that_xla_gpu_would_copy():
 def test_cache_copies_index_the_pages_leading_dims_on_cuda():
     """The other jitted functions on the cache buffers (fork copies, host-tier saves and restores) also index
     the pages on their leading dims, and the donated ones update them in place."""
-    from cache import device_buffers
+    from cache import device_buffers, fork_copies
 
     layout = device_buffers.CacheLayout(num_kv_layers=1, num_kv_heads=2, head_dim=64, num_state_layers=1,
                                         conv_width=4, conv_dim=96, num_v_heads=2, k_head_dim=64, v_head_dim=64,
@@ -139,7 +153,7 @@ def test_cache_copies_index_the_pages_leading_dims_on_cuda():
     types = {_mlir_type(x) for x in jax.tree.leaves(buffers)}
     idx = jax.ShapeDtypeStruct((4,), jnp.int32)
     block_values = [(jax.ShapeDtypeStruct((2, 4, BLOCK_SIZE, 64), jnp.bfloat16),) * 2]
-    cases = [(device_buffers._fork_copy, (buffers, idx, idx, idx, idx), len(jax.tree.leaves(buffers))),
+    cases = [(fork_copies._fork_copy, (buffers, idx, idx, idx, idx), len(jax.tree.leaves(buffers))),
              (device_buffers._scatter_blocks, (buffers.kv, idx, block_values), 2),
              (device_buffers._gather_blocks, (buffers.kv, idx), 0)]
     for fn, args, donated in cases:
@@ -147,9 +161,10 @@ def test_cache_copies_index_the_pages_leading_dims_on_cuda():
         assert _step_violations(text, types, 0, donated) == [], fn.__name__
 
 
+@pytest.mark.parametrize("narrow", [False, True], ids=["one_state_buffer", "bf16_snapshot_pool"])
 @pytest.mark.parametrize("call", ["speculative_step", "mtp_catch_up"])
 @pytest.mark.parametrize("kernels", ["mosaic", "triton"])
-def test_mtp_calls_update_every_cache_buffer_in_place_on_cuda(kernels, call):
+def test_mtp_calls_update_every_cache_buffer_in_place_on_cuda(kernels, call, narrow):
     """MTP speculative decoding's two calls (qnext/engine/spec_step.py) lower for CUDA and keep every cache buffer,
     the head's own KV layer included, in place: the verify pass writes no state pool until the kept position's
     state goes to its row."""
@@ -163,8 +178,7 @@ def test_mtp_calls_update_every_cache_buffer_in_place_on_cuda(kernels, call):
                               backend="gpu", gpu_kernels=kernels)
     params = map_specs(lambda _, s: jax.ShapeDtypeStruct(s.shape, s.dtype), param_specs(cfg, jnp.dtype(dtype).name))
     mtp = jax.eval_shape(lambda p: init_mtp_params(p, cfg, jax.random.key(0)), params)
-    buffers = jax.eval_shape(lambda: allocate_cache_buffers(cache_layout(cfg, dtype, 1), num_blocks=NUM_BLOCKS,
-                                                            block_size=BLOCK_SIZE, num_state_rows=NUM_ROWS))
+    buffers = _buffers(cfg, dtype, narrow, extra_kv_layers=1)
     if call == "speculative_step":
         d, length = 2, window_length(k, "gpu")
         inputs = verify_inputs([], [], [], [], [], d, length, 8, BLOCK_SIZE)
