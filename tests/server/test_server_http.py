@@ -212,7 +212,7 @@ BAD_REQUESTS = [  # (endpoint, body, the field or words the message must name)
     ("chat", {"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, "top_p"),
     ("chat", {"messages": [{"role": "user", "content": "hi"}], "temprature": 0.5}, "temprature"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "no vision tower"),
+     "base64 data URL"),   # the demo reads pictures; a checkpoint without a tower: tests/server/test_media.py
     ("chat", {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
      "text, image_url and video_url"),
     ("chat", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "logprobs"),
