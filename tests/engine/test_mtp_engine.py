@@ -18,7 +18,12 @@ from qnext.testing.tiny_checkpoint import write_tiny_checkpoint
 
 K = 2
 SPEC = {"method": "mtp", "num_speculative_tokens": K}
-OPTIONS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=160, block_size=8)
+# max_num_snapshots: rows enough that two turns of 8 rows evict no snapshot (prompt captures, tracking rows,
+# sequence ends), so cache hits of a plain and an MTP engine compare what their steps left cached, not how two pool
+# sizes' LRUs fared: by default the MTP engine's pool is smaller (its blocks hold the head's KV layer too, and
+# cache_setup.cache_sizes bounds the rows by the KV they can anchor). Every engine here has the same pool, so the
+# plain and the speculative engines each compile once.
+OPTIONS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=160, block_size=8, max_num_snapshots=64)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
@@ -149,7 +154,10 @@ def test_rows_with_stop_strings_and_logprobs_speculate_and_equal_plain_decoding(
     text, finish and stop reasons equal plain decoding's, with drafts forced all accepted (whole windows run past
     the stop) and with the head's; a later turn is served from the cache as much as after plain decoding (no
     tracking snapshot lost to a state past the stop) and equals it. Logprobs: every emitted token's, from the
-    verify pass, equal plain decoding's (ids and ranks exactly, values within float32 noise)."""
+    verify pass, equal plain decoding's (ids and ranks exactly, values within float32 noise).
+    Both engines' snapshot pools have OPTIONS' rows and nothing may be evicted: with the default sizing the head's KV
+    layer leaves the speculative engine fewer snapshot rows than the plain one (12 against 14), and which prompt
+    snapshots the LRU then drops depends on the outputs, not on what the windows left behind."""
     batch = prompts(8, offset=300)
     texts = [o.outputs[0].text for o in plain.generate(batch, GREEDY)]
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop_string_in(t, i)],
@@ -185,6 +193,7 @@ def test_rows_with_stop_strings_and_logprobs_speculate_and_equal_plain_decoding(
         want2, got2 = reference.generate(turn, GREEDY), spec.generate(turn, GREEDY)
         assert tokens(got2) == tokens(want2), forced
         assert [o.num_cached_tokens for o in got2] == [o.num_cached_tokens for o in want2], forced
+        assert [llm.engine.cache_stats.snapshots_evicted for llm in (reference, spec)] == [0, 0], forced
 
 
 def recorded_drafts(llm) -> list[dict]:
