@@ -74,14 +74,14 @@ def test_replicas_are_processes_and_both_answer(server):
     assert second_turn.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0   # routed back to its cache
     results = [None, None]
 
-    def ask(i):
-        results[i] = chat(server.base_url, f"Question {i}: is the sea rough near island {i * 7}?", max_tokens=24,
-                          system=False)
+    def ask(i):   # the first runs long enough that the second arrives while it runs, however loaded the machine
+        results[i] = chat(server.base_url, f"Question {i}: is the sea rough near island {i * 7}?",
+                          max_tokens=96 if i == 0 else 24, system=False)
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
-    for i, t in enumerate(threads):   # the second arrives while the first runs: the less loaded replica takes it
-        t.start()
-        wait_for_load(server.base_url, i + 1)
+    threads[0].start()
+    wait_for_load(server.base_url, 1)
+    threads[1].start()                # arrives while the first runs: the less loaded replica takes it
     for t in threads:
         t.join(120)
     assert [r.status_code for r in results] == [200, 200]
