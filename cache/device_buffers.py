@@ -272,6 +272,16 @@ def gather_device_rows(buffers: CacheBuffers, rows: list[int], layer: int, kind:
     return out
 
 
+def gather_live_rows(buffers: CacheBuffers, rows: list[int]) -> tuple[tuple, tuple]:
+    """Every linear-attention layer's (conv, recurrent) of the live rows `rows` (the float32 buffers), each
+    [len(rows), ...] numpy: one gather and one device-to-host copy for all layers."""
+    first = buffers.first_pool_row
+    if first is not None and any(row >= first for row in rows):
+        raise ValueError(f"rows {rows} include snapshot ids (from {first}): live rows only")
+    conv, recurrent = jax.device_get(_gather_rows(state_part(buffers, LIVE_PART), padded_indices(rows, 0)))
+    return tuple(c[:len(rows)] for c in conv), tuple(r[:len(rows)] for r in recurrent)
+
+
 def write_blocks_and_rows(buffers: CacheBuffers, blocks: list[int], kv: tuple, rows: list[int], conv: tuple,
                           recurrent: tuple) -> CacheBuffers:
     """Writes KV blocks and state rows computed elsewhere into the buffers (donated) -> the new buffers.

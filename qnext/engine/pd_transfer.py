@@ -20,7 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-from cache.device_buffers import CacheBuffers, gather_device_blocks, gather_device_rows
+from cache.device_buffers import CacheBuffers, gather_device_blocks, gather_live_rows
 from qnext.config import ModelConfig
 from qnext.engine.plan import SampledToken
 from qnext.model.canonical_cache import conv_from_canonical, conv_to_canonical, kv_from_canonical, kv_to_canonical
@@ -85,10 +85,10 @@ def export_prefill(buffers: CacheBuffers, cfg: ModelConfig, tp: int, layout: dic
             pages = np.array(kv_to_canonical(pages, cfg, tp))
             pages[:, -1, n - (num_blocks - 1) * bs:] = 0          # past the prompt: not computed
             arrays[f"kv.{i}.{part}"] = pages
-    for i in range(len(buffers.recurrent)):      # the live row: float32 whatever the snapshot pool's dtype
-        conv = gather_device_rows(buffers, [state_row], i, "conv")[0]
-        arrays[f"conv.{i}"] = np.ascontiguousarray(conv_to_canonical(conv, cfg, tp))
-        arrays[f"recurrent.{i}"] = gather_device_rows(buffers, [state_row], i, "recurrent")[0]
+    conv, recurrent = gather_live_rows(buffers, [state_row])   # float32 whatever the snapshot pool's dtype
+    for i, (c, r) in enumerate(zip(conv, recurrent)):
+        arrays[f"conv.{i}"] = np.ascontiguousarray(conv_to_canonical(c[0], cfg, tp))
+        arrays[f"recurrent.{i}"] = r[0]
     token = {"token_id": first.token_id, "logprob": first.logprob, "rank": first.rank,
              "top_ids": None if first.top_ids is None else np.asarray(first.top_ids).tolist(),
              "top_logprobs": None if first.top_logprobs is None else np.asarray(first.top_logprobs).tolist()}
