@@ -5,7 +5,7 @@ Cache-aware routing (SGLang's router, vLLM's prefix-aware routing): the router k
 block hashes (cache/hashing.py, the engine's own) of what it sent there and what came back (prompt + reply: the
 next chat turn's prefix), bounded by the replica's KV blocks (least recently used dropped first). A request goes
 to the replica holding the longest run of its leading block hashes; with no match, or a tie, to the least loaded
-(running + waiting, from the snapshot each engine thread publishes). `round_robin` is there to compare against.
+(its requests in flight: sent and not yet finished). `round_robin` is there to compare against.
 A replica whose waiting queue is full passes the request to the next best one, so every request is answered
 while any replica has room. Replicas are threads of this process (`--data-parallel-backend thread`) or processes of
 their own (`process`, the default: replica_process.py; no replica's host work waits on another's GIL); a replica
@@ -149,8 +149,7 @@ class DataParallelEngine:
         self.server_metrics = _MergedMetrics(self)
 
     def _load(self, i: int) -> int:
-        snap = self.replicas[i].snapshot()
-        return snap.num_running + snap.num_waiting
+        return self.replicas[i].in_flight()
 
     def start(self) -> None:
         for r in self.replicas:
@@ -168,8 +167,8 @@ class DataParallelEngine:
     def health_details(self) -> dict:
         """/health's per-replica lines."""
         return {"replicas_up": sum(r.is_running for r in self.replicas),
-                "replicas": [{"index": i, "up": r.is_running, "pid": getattr(r, "pid", None)}
-                             for i, r in enumerate(self.replicas)]}
+                "replicas": [{"index": i, "up": r.is_running, "pid": getattr(r, "pid", None),
+                              "in_flight": r.in_flight()} for i, r in enumerate(self.replicas)]}
 
     def snapshot(self) -> EngineSnapshot:
         snaps = [r.snapshot() for r in self.replicas]
@@ -192,12 +191,16 @@ class DataParallelEngine:
                 error = error or EngineStoppedError(getattr(self.replicas[i], "down", None)
                                                     or f"data parallel replica {i} is not running")
                 continue
+            self._owner[request_id] = self.replicas[i]     # before it is sent: it may finish before add returns
             try:
                 stream = await self.replicas[i].add(request_id, prompt, params)
             except (QueueFullError, EngineStoppedError) as e:      # full or down: the next best one
+                self._owner.pop(request_id, None)
                 error = e if error is None or isinstance(e, QueueFullError) else error
                 continue
-            self._owner[request_id] = self.replicas[i]
+            except BaseException:
+                self._owner.pop(request_id, None)
+                raise
             self.routed[i] += 1
             self.router.record(i, token_ids, images)
             return stream

@@ -86,6 +86,11 @@ class AsyncEngine:
             snap.num_waiting += self._num_queued
             return snap
 
+    def in_flight(self) -> int:
+        """Requests submitted and not yet finished, as of now (the snapshot lags by up to a step)."""
+        with self._lock:
+            return len(self._live) + self._num_queued
+
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 

@@ -103,6 +103,12 @@ class ProcessReplica:
             snap.num_running = snap.num_waiting = 0
         return snap
 
+    def in_flight(self) -> int:
+        """Requests sent and not yet finished, as this process sees them now (the replica's snapshot lags by up to
+        SNAPSHOT_EVERY_S)."""
+        with self._lock:
+            return len(self._streams)
+
     # ---- the event loop ------------------------------------------------------------------------------------------
     async def add(self, request_id: str, prompt: dict, params) -> RequestStream:
         stream = RequestStream(request_id, asyncio.get_running_loop(), self.abort)
@@ -120,6 +126,8 @@ class ProcessReplica:
             await stream.admitted
         except BaseException:
             stream.finished = True
+            with self._lock:
+                self._streams.pop(request_id, None)
             self.abort(request_id)
             raise
         finally:

@@ -41,15 +41,15 @@ def chat(base_url: str, question: str | list, max_tokens: int = 6, history: list
                             "ignore_eos": True})
 
 
-def wait_for_load(base_url: str, num_requests: int, timeout: float = 60) -> None:
-    """Until the replicas hold `num_requests` requests (running or waiting), as the router sees them."""
+def wait_for_in_flight(base_url: str, per_replica: list[int], timeout: float = 60) -> None:
+    """Until each replica holds these many requests sent and not yet finished, as the router sees them."""
     deadline = time.monotonic() + timeout
     while True:
-        health = httpx.get(base_url + "/health", timeout=10).json()
-        if health["num_requests_running"] + health["num_requests_waiting"] >= num_requests:
+        replicas = httpx.get(base_url + "/health", timeout=10).json()["replicas"]
+        if [r["in_flight"] for r in replicas] == per_replica:
             return
-        assert time.monotonic() < deadline, f"the replicas never held {num_requests} requests"
-        time.sleep(0.1)
+        assert time.monotonic() < deadline, f"the replicas never held {per_replica} requests: {replicas}"
+        time.sleep(0.05)
 
 
 def served_by(base_url: str) -> dict[str, float]:
@@ -80,7 +80,7 @@ def test_replicas_are_processes_and_both_answer(server):
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
     threads[0].start()
-    wait_for_load(server.base_url, 1)
+    wait_for_in_flight(server.base_url, [1, 0])
     threads[1].start()                # arrives while the first runs: the less loaded replica takes it
     for t in threads:
         t.join(120)
@@ -117,13 +117,10 @@ def test_a_killed_replica_is_taken_out_and_the_other_keeps_answering(server):
                           system=False)
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
-    for i, t in enumerate(threads):
-        t.start()
-        wait_for_load(server.base_url, i + 1)
-    deadline = time.monotonic() + 60
-    while httpx.get(server.base_url + "/health", timeout=10).json()["num_requests_running"] < 2:
-        assert time.monotonic() < deadline, "the two long requests never ran together"
-        time.sleep(0.2)
+    threads[0].start()
+    wait_for_in_flight(server.base_url, [1, 0])
+    threads[1].start()
+    wait_for_in_flight(server.base_url, [1, 1])      # one request on each replica, neither finished (300 tokens)
     os.kill(replicas[1]["pid"], signal.SIGKILL)
     for t in threads:
         t.join(120)
@@ -133,5 +130,6 @@ def test_a_killed_replica_is_taken_out_and_the_other_keeps_answering(server):
     assert "data parallel replica 1" in failed.json()["error"]["message"]
     health = httpx.get(server.base_url + "/health", timeout=10)
     assert health.status_code == 200 and health.json()["replicas_up"] == 1
+    assert [r["in_flight"] for r in health.json()["replicas"]] == [0, 0]
     later = [chat(server.base_url, f"After the loss, question {i}?") for i in range(3)]
     assert [r.status_code for r in later] == [200, 200, 200]
