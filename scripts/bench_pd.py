@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     with contextlib.ExitStack() as stack:
         roles = {}
         for role in ("prefill", "decode"):
-            roles[role] = ServerProcess(server_args + ["--pd-role", role], log_path=logs / f"{role}.log")
+            source = ["--pd-prefill-url", roles["prefill"].base_url] if role == "decode" else []
+            roles[role] = ServerProcess(server_args + ["--pd-role", role, *source], log_path=logs / f"{role}.log")
             stack.callback(roles[role].stop)
         for proc in roles.values():
             proc.wait_healthy(900)

@@ -16,7 +16,7 @@ from qnext.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddlewa
 from qnext.server.engine_loop import AsyncEngine
 from qnext.server.errors import install_error_handlers
 from qnext.server.metrics import CONTENT_TYPE, ServerMetrics, cache_usage
-from qnext.server.pd_serving import install_pd_routes, role_engine
+from qnext.server.pd_serving import install_pd_routes, prefill_url_allow_list, role_engine
 from qnext.server.serving import OpenAIServing
 from qnext.vision.media import MediaLimits
 
@@ -37,15 +37,17 @@ def build_app(engine, *, model_name: str, aliases: Sequence[str] = (), max_waiti
               tool_call_parser: str | None = None, reasoning_parser: str | None = None, api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, async_engine=None, metrics=None,
               media_limits: MediaLimits = MediaLimits(), pd_role: str | None = None,
-              pd_transfer_host: str = "127.0.0.1") -> FastAPI:
+              pd_transfer_host: str = "127.0.0.1", pd_prefill_urls: Sequence[str] = ()) -> FastAPI:
     """An app serving `engine` (an LLMEngine, or anything with its methods) as `model_name` (and `aliases`).
     Starting the app starts the engine thread; stopping it aborts what is left and joins the thread.
     tool_call_parser / reasoning_parser: parser names (None: chosen from the chat template; "none": off). With
     `api_key`, /v1 routes want it (auth.py); bodies past `max_request_bytes` get 413 (body_limit.py).
     `async_engine` and `metrics` replace the one engine loop (data parallelism: qnext/server/data_parallel.py).
     media_limits: pictures per request, bytes, pixels, URL fetching (qnext/vision/media.py). pd_role: "prefill" or
-    "decode", one side of prefill/decode disaggregation (server/pd_serving.py)."""
+    "decode", one side of prefill/decode disaggregation (server/pd_serving.py); pd_prefill_urls: the prefill servers
+    a decode server may fetch from."""
     if pd_role is not None:
+        prefill_url_allow_list(pd_role, pd_prefill_urls)      # a bad --pd-prefill-url fails before anything starts
         engine = role_engine(engine, pd_role)
     if async_engine is None:
         async_engine, metrics = build_async_engine(engine, max_waiting_requests=max_waiting_requests,
@@ -68,7 +70,7 @@ def build_app(engine, *, model_name: str, aliases: Sequence[str] = (), max_waiti
     install_error_handlers(app, metrics.count_error)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if pd_role is not None:
-        install_pd_routes(app, engine, pd_role, pd_transfer_host)
+        install_pd_routes(app, engine, pd_role, pd_transfer_host, tuple(pd_prefill_urls))
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)       # outermost: refused before the body is read
 

@@ -107,6 +107,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="one side of prefill/decode disaggregation behind `qnext pd-router` (docs/scale.md)")
     p.add_argument("--pd-transfer-host", default="127.0.0.1",
                    help="with --pd-role: the address this process's JAX transfer server listens on")
+    p.add_argument("--pd-prefill-url", action="append", default=[], metavar="URL",
+                   help="with --pd-role decode (needed there; repeat for several): a prefill server this server may "
+                        "fetch from; a request naming any other gets a 400")
     from qnext.server.multinode import add_multinode_arguments
 
     add_multinode_arguments(p)
@@ -184,6 +187,10 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
         async_engine = metrics = None
         if args.data_parallel_size > 1 and args.pd_role:
             raise ValueError("--pd-role serves one engine; drop --data-parallel-size")
+        if args.pd_role:
+            from qnext.server.pd_serving import prefill_url_allow_list
+
+            prefill_url_allow_list(args.pd_role, args.pd_prefill_url)
         if args.data_parallel_size > 1:
             from qnext.server.data_parallel import build_replicas
 
@@ -201,7 +208,7 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                     api_key=args.api_key, max_request_bytes=args.max_request_bytes, async_engine=async_engine,
                     metrics=metrics, media_limits=media_limits(args), pd_role=args.pd_role,
-                    pd_transfer_host=args.pd_transfer_host)
+                    pd_transfer_host=args.pd_transfer_host, pd_prefill_urls=args.pd_prefill_url)
     return run_uvicorn(app, args)
 
 

@@ -87,7 +87,7 @@ class RemoteBundle:
 
     def fetch(self, first_block: int, num_kv_layers: int) -> dict[str, np.ndarray]:
         response = http_client().post(f"{self.url}/pd/bundles/{self.request_id}/pull", timeout=self.timeout,
-                              json={"first_block": first_block, "num_kv_layers": num_kv_layers})
+                                      json={"first_block": first_block, "num_kv_layers": num_kv_layers})
         if response.status_code != 200:
             raise ValueError(f"the prefill server {self.url} could not offer bundle {self.request_id!r}: "
                              f"{response.text}")

@@ -10,7 +10,9 @@ names the engine request after it and hands the decode side's source to the engi
   token ends it); its bundle waits in the engine's PrefillExports for the decode side, which reads the metadata at
   GET /pd/bundles/{id} and asks for the missing blocks at POST /pd/bundles/{id}/pull (pd_mover.py).
 - decode: a request with the header fetches what its cache lacks from the prefill server and decodes from the
-  first token on; a request without it is served as by any server.
+  first token on; a request without it is served as by any server. Any client can send the header, so the decode
+  server fetches only from the prefill servers it was started with (`--pd-prefill-url`, repeatable): a header
+  naming another address is a 400, and nothing is fetched.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import concurrent.futures
 import contextvars
 import json
 import logging
+import urllib.parse
 
 import httpx
 
@@ -34,12 +37,29 @@ PD_ROLES = ("prefill", "decode")
 PD_REQUEST: contextvars.ContextVar[dict | None] = contextvars.ContextVar("qnext_pd_request", default=None)
 
 
+def prefill_url_allow_list(role: str | None, prefill_urls) -> tuple[str, ...]:
+    """`--pd-prefill-url` checked against `--pd-role`: the prefill servers (http(s)://host:port) a decode server may
+    fetch from, without a trailing slash. A decode server needs at least one; other roles take none."""
+    urls = tuple(u.rstrip("/") for u in prefill_urls or ())
+    if role == "decode" and not urls:
+        raise ValueError("--pd-role decode needs --pd-prefill-url URL (repeatable): the prefill servers it may fetch "
+                         "from; the x-qnext-pd header of a request names one of them")
+    if role != "decode" and urls:
+        raise ValueError("--pd-prefill-url is for --pd-role decode")
+    for url in urls:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc or parts.path or parts.query:
+            raise ValueError(f"--pd-prefill-url {url!r} is not a server's base URL (http(s)://host:port)")
+    return urls
+
+
 class PDHeaderMiddleware:
     """Sets PD_REQUEST from the `x-qnext-pd` header for the request's whole handling (pure ASGI, so the route's
-    task sees it); a header that is not a JSON object with a string request_id is a 400."""
+    task sees it). A 400, before the body is read: a header that is not a JSON object with a string request_id, and
+    a prefill_url that is not in `prefill_urls` (the decode server's allow-list; empty on a prefill server)."""
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, prefill_urls: tuple[str, ...] = ()):
+        self.app, self.prefill_urls = app, prefill_urls
 
     async def __call__(self, scope, receive, send):
         raw = dict(scope.get("headers") or []).get(PD_HEADER.encode()) if scope["type"] == "http" else None
@@ -50,14 +70,23 @@ class PDHeaderMiddleware:
             if not isinstance(value, dict) or not isinstance(value.get("request_id"), str):
                 raise ValueError
         except ValueError:
-            response = JSONResponse({"error": {"message": f"the {PD_HEADER} header must be a JSON object with a "
-                                               "string request_id", "type": "invalid_request_error"}}, 400)
-            return await response(scope, receive, send)
+            return await _bad_header(f"the {PD_HEADER} header must be a JSON object with a string request_id",
+                                     scope, receive, send)
+        url = value.get("prefill_url")
+        if url is not None and (not isinstance(url, str) or url.rstrip("/") not in self.prefill_urls):
+            allowed = ", ".join(self.prefill_urls) or "none: this is not a decode server"
+            return await _bad_header(f"the {PD_HEADER} header's prefill_url {url!r} is not a prefill server this "
+                                     f"server may fetch from (--pd-prefill-url: {allowed})", scope, receive, send)
         token = PD_REQUEST.set(value)
         try:
             await self.app(scope, receive, send)
         finally:
             PD_REQUEST.reset(token)
+
+
+async def _bad_header(message: str, scope, receive, send) -> None:
+    response = JSONResponse({"error": {"message": message, "type": "invalid_request_error"}}, 400)
+    await response(scope, receive, send)
 
 
 class _RoleEngine:
@@ -145,9 +174,11 @@ class PullRequest(BaseModel):
     num_kv_layers: int
 
 
-def install_pd_routes(app: FastAPI, engine, role: str, transfer_host: str = "127.0.0.1") -> None:
-    """The header middleware, and on a prefill server the bundle routes."""
-    app.add_middleware(PDHeaderMiddleware)
+def install_pd_routes(app: FastAPI, engine, role: str, transfer_host: str = "127.0.0.1",
+                      prefill_urls: tuple[str, ...] = ()) -> None:
+    """The header middleware, and on a prefill server the bundle routes. prefill_urls: a decode server's
+    allow-list (prefill_url_allow_list)."""
+    app.add_middleware(PDHeaderMiddleware, prefill_urls=prefill_url_allow_list(role, prefill_urls))
     if role != "prefill":
         return
     exports, mover = engine.prefill_exports, PrefillMover(transfer_host)

@@ -35,8 +35,9 @@ def servers(checkpoint, tmp_path_factory):
     with contextlib.ExitStack() as stack:
         started = {}
         for role in ("prefill", "decode"):
+            source = ["--pd-prefill-url", started["prefill"].base_url] if role == "decode" else []
             proc = ServerProcess([str(checkpoint), "--served-model-name", MODEL, *OPTIONS, "--no-warm-up",
-                                  "--log-level", "warning", "--pd-role", role], log_path=logs / f"{role}.log",
+                                  "--log-level", "warning", "--pd-role", role, *source], log_path=logs / f"{role}.log",
                                  env=ENV)
             stack.callback(proc.stop)
             started[role] = proc
@@ -101,3 +102,42 @@ def test_the_prefill_server_answers_prefilled_and_offers_its_bundle_once(servers
     local = httpx.post(servers["decode"].base_url + "/v1/chat/completions", json=body, timeout=60,
                        headers={"x-qnext-pd": json.dumps(gone)}).json()
     assert local["usage"]["completion_tokens"] == 5 and local["choices"][0]["finish_reason"] == "length"
+
+
+def test_the_decode_server_fetches_only_from_its_prefill_urls(servers):
+    """The x-qnext-pd header can come from any client: one naming an address outside --pd-prefill-url is a 400
+    and the decode server never connects there; the prefill server, which fetches from nobody, refuses one too."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.settimeout(0.2)
+    connections, stop = [], threading.Event()
+
+    def accept():
+        while not stop.is_set():
+            try:
+                connections.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    watcher = threading.Thread(target=accept)
+    watcher.start()
+    elsewhere = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "temperature": 0}
+    try:
+        for server in ("decode", "prefill"):
+            source = {"request_id": f"pd-elsewhere-{server}", "prefill_url": elsewhere, "prefill_request_id": "x"}
+            reply = httpx.post(servers[server].base_url + "/v1/chat/completions", json=body, timeout=60,
+                               headers={"x-qnext-pd": json.dumps(source)})
+            assert reply.status_code == 400, reply.text
+            message = reply.json()["error"]["message"]
+            assert elsewhere in message and "--pd-prefill-url" in message, message
+        assert servers["prefill"].base_url in message or "not a decode server" in message
+    finally:
+        stop.set()
+        watcher.join(5)
+        listener.close()
+    assert connections == []

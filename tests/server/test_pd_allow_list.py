@@ -1,0 +1,32 @@
+"""A decode server's allow-list of prefill servers (`--pd-prefill-url`): needed with `--pd-role decode`, refused
+elsewhere, base URLs only; `qnext serve` says so and exits 2 before loading anything."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from qnext.server.pd_serving import prefill_url_allow_list
+
+
+def test_the_allow_list_is_base_urls_for_a_decode_server_only():
+    assert prefill_url_allow_list("decode", ["http://10.0.0.5:8001/", "https://p.example:443"]) == (
+        "http://10.0.0.5:8001", "https://p.example:443")
+    assert prefill_url_allow_list("prefill", []) == prefill_url_allow_list(None, None) == ()
+    with pytest.raises(ValueError, match="--pd-role decode needs --pd-prefill-url"):
+        prefill_url_allow_list("decode", [])
+    with pytest.raises(ValueError, match="is for --pd-role decode"):
+        prefill_url_allow_list("prefill", ["http://127.0.0.1:8001"])
+    for bad in ("127.0.0.1:8001", "file:///etc/passwd", "http://127.0.0.1:8001/pd/bundles", "http://h:1/?a=b"):
+        with pytest.raises(ValueError, match="is not a server's base URL"):
+            prefill_url_allow_list("decode", [bad])
+
+
+def test_serve_refuses_a_decode_role_without_prefill_urls(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "qnext.server", str(tmp_path / "no-model"), "--pd-role", "decode",
+                          "--port", "1"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "--pd-role decode needs --pd-prefill-url" in run.stderr
