@@ -128,7 +128,8 @@ class DataParallelEngine:
                                    load_of=self._load)
         self.replicas: list[AsyncEngine] = []
         self.metrics: list[ServerMetrics] = []
-        self._owner: dict[str, AsyncEngine] = {}          # request id -> its replica, until it finishes
+        # request id -> (its replica, its stream: None while being admitted), until it finishes, fails or is closed
+        self._owner: dict[str, tuple[AsyncEngine, object]] = {}
         self._images: dict[str, tuple[ImageSpan, ...]] = {}   # request id -> its pictures' spans, until it finishes
         for i, engine in enumerate(engines):
             holder: list[AsyncEngine] = []
@@ -178,9 +179,18 @@ class DataParallelEngine:
     def abort(self, request_id: str) -> None:
         owner = self._owner.get(request_id)
         if owner is not None:
-            owner.abort(request_id)
+            owner[0].abort(request_id)
+
+    def _forget_ended(self) -> None:
+        """Drops the bookkeeping of requests that ended without on_finish (a step failed, the replica died, the
+        client left): their streams say finished once read to the end or closed."""
+        for request_id, (_, stream) in list(self._owner.items()):
+            if stream is not None and stream.finished:
+                self._owner.pop(request_id, None)
+                self._images.pop(request_id, None)
 
     async def add(self, request_id: str, prompt: dict, params):
+        self._forget_ended()
         token_ids = list(prompt["prompt_token_ids"])
         images = self._picture_spans(prompt)
         if images:
@@ -191,7 +201,7 @@ class DataParallelEngine:
                 error = error or EngineStoppedError(getattr(self.replicas[i], "down", None)
                                                     or f"data parallel replica {i} is not running")
                 continue
-            self._owner[request_id] = self.replicas[i]     # before it is sent: it may finish before add returns
+            self._owner[request_id] = (self.replicas[i], None)   # before it is sent: it may finish before add returns
             try:
                 stream = await self.replicas[i].add(request_id, prompt, params)
             except (QueueFullError, EngineStoppedError) as e:      # full or down: the next best one
@@ -201,6 +211,8 @@ class DataParallelEngine:
             except BaseException:
                 self._owner.pop(request_id, None)
                 raise
+            if request_id in self._owner:                  # not finished already (on_finish drops it)
+                self._owner[request_id] = (self.replicas[i], stream)
             self.routed[i] += 1
             self.router.record(i, token_ids, images)
             return stream
