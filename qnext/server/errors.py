@@ -1,6 +1,7 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the HTTP status that goes with it."""
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 from fastapi import FastAPI, Request
@@ -11,6 +12,8 @@ from starlette.exceptions import HTTPException
 
 from qnext.server.api_shapes import anthropic_error_body, is_anthropic_path
 from qnext.server.engine_loop import EngineStepError, EngineStoppedError, QueueFullError
+
+logger = logging.getLogger("qnext.server")
 
 
 class APIError(Exception):
@@ -61,9 +64,12 @@ def from_validation_error(e: ValidationError | RequestValidationError) -> APIErr
 
 
 def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] = lambda status: None) -> None:
-    """Every error leaves in its route's API shape; on_error(status) is told of each (metrics)."""
+    """Every error leaves in its route's API shape; on_error(status) is told of each (metrics). The server's log
+    says why (the access log only has the status): 4xx at info, 5xx at warning."""
     def respond(e: APIError, request: Request):
         on_error(e.status)
+        logger.log(logging.WARNING if e.status >= 500 else logging.INFO, "%s %s -> %d: %s", request.method,
+                   request.url.path, e.status, e.message[:1000])
         return e.response(request.url.path)
 
     @app.exception_handler(APIError)

@@ -18,7 +18,7 @@ from qnext.server.launch import running_server
 MODEL = "qnext-tiny-demo"
 MAX_MODEL_LEN = 256
 SERVER_ARGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--max-model-len", str(MAX_MODEL_LEN),
-               "--max-waiting-requests", "64", "--shutdown-timeout", "30", "--log-level", "warning"]
+               "--max-waiting-requests", "64", "--shutdown-timeout", "30", "--log-level", "info"]
 SYSTEM = ("You are a helpful assistant who answers questions about lighthouses, ships, the sea and the weather "
           "in short plain sentences.")
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
@@ -246,6 +246,8 @@ def test_bad_requests_get_400_while_a_stream_completes(server):
         assert set(error) == {"message", "type", "param", "code"}
     wrong_model = httpx.post(server.base_url + "/v1/completions", json={"model": "gpt-4", "prompt": "x"}, timeout=30)
     assert wrong_model.status_code == 404 and "gpt-4" in wrong_model.json()["error"]["message"]
+    log = server.log_path.read_text()            # the server's log says why, not only the status
+    assert "POST /v1/completions -> 404: " in log and "gpt-4" in log.split("POST /v1/completions -> 404: ")[1]
     worker.join(120)
     assert len(result["tokens"]) == 48
     assert metrics(server)["qnext:request_errors_total"] >= len(BAD_REQUESTS)
