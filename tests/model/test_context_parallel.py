@@ -14,7 +14,7 @@ _SCRIPT = textwrap.dedent("""
     import json, sys
     import jax, jax.numpy as jnp, numpy as np
     import qnext
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from qnext.model.context_parallel import context_parallel_deltanet, shard_delta_rule
     from qnext.model.dense import dense_gated_deltanet
     from qnext.model.dense_delta_rule import dense_gated_delta_rule_with_state
@@ -27,10 +27,13 @@ _SCRIPT = textwrap.dedent("""
         model = qnext.load_model(path)                                                  # Hv / Hk = 4
         cfg, p = model.config, model.params["layers"][0]["attn"]
         x = jax.random.normal(jax.random.key(2), (2, 384, cfg.hidden_size), jnp.float32)
-        ref = dense_gated_deltanet(p, x, jnp.ones(x.shape[:2], bool), cfg)
+        ref = jax.jit(lambda p, x: dense_gated_deltanet(p, x, jnp.ones(x.shape[:2], bool), cfg))(p, x)
         for n in (2, 4):
+            # jitted, as a prefill step would call it (eager, the shard_map took ~5x as long on 2 cores); the
+            # inputs start on the mesh where the function puts them (jit refuses ones committed to device 0)
             mesh = Mesh(np.array(jax.devices()[:n]), ("context",))
-            got = context_parallel_deltanet(p, x, cfg, mesh, chunk=32)
+            on_mesh = jax.device_put((p, x), NamedSharding(mesh, P()))
+            got = jax.jit(lambda p, x: context_parallel_deltanet(p, x, cfg, mesh, chunk=32))(*on_mesh)
             got, want = np.asarray(got), np.asarray(ref)
             out[f"{family}/{n}"] = [float(np.abs(got - want).max()), float(np.abs(want).max())]
 
@@ -50,8 +53,8 @@ _SCRIPT = textwrap.dedent("""
     fn = jax.shard_map(lambda q, k, v, g, b, s: shard_delta_rule(q, k, v, g, b, "context", s, 32), mesh=mesh,
                        in_specs=(seq,) * 5 + (P(),), out_specs=(seq, P()), check_vma=False)
     args = inputs(256)
-    ref_o, ref_s = dense_gated_delta_rule_with_state(*args, s0, 32)
-    o, s = fn(*args, s0)
+    ref_o, ref_s = jax.jit(dense_gated_delta_rule_with_state, static_argnums=6)(*args, s0, 32)
+    o, s = jax.jit(fn)(*args, s0)
     out["core"] = [float(jnp.abs(o - ref_o).max()), float(jnp.abs(ref_o).max()),
                    float(jnp.abs(s - ref_s).max() / jnp.abs(ref_s).max())]
     for t in (256, 1024):                                   # lowered only: what the all-gather moves

@@ -23,7 +23,9 @@ _SCRIPT = textwrap.dedent("""
 
     out = {}
     for family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
-        path = write_tiny_checkpoint(sys.argv[1] + "/" + family, family, seed=3)
+        # two layers: a DeltaNet layer and a full-attention one (Qwen3-Next's is its dense-MLP layer)
+        path = write_tiny_checkpoint(sys.argv[1] + "/" + family, family, seed=3, num_hidden_layers=2,
+                                     layer_types=["linear_attention", "full_attention"])
         engine_args = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, block_size=16,
                            num_gpu_blocks_override=64, max_num_snapshots=16)
         rng = np.random.default_rng(0)
