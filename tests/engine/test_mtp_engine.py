@@ -22,8 +22,11 @@ SPEC = {"method": "mtp", "num_speculative_tokens": K}
 # sequence ends), so cache hits of a plain and an MTP engine compare what their steps left cached, not how two pool
 # sizes' LRUs fared: by default the MTP engine's pool is smaller (its blocks hold the head's KV layer too, and
 # cache_setup.cache_sizes bounds the rows by the KV they can anchor). Every engine here has the same pool, so the
-# plain and the speculative engines each compile once.
-OPTIONS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=160, block_size=8, max_num_snapshots=64)
+# plain and the speculative engines each compile once (compilation is most of this module's time). The same KV
+# blocks too (96: the preemption test's long outputs outgrow them, every other test's sequences fit), and one
+# prefill shape of 16 tokens (and its mixed twin) rather than four.
+OPTIONS = dict(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=160, block_size=8, max_num_snapshots=64,
+               num_gpu_blocks_override=96)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
@@ -50,9 +53,12 @@ def second_turn(first, outputs) -> list[dict]:
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
-def test_greedy_equals_plain_with_a_cached_second_turn(family, tmp_path_factory):
-    path = with_mtp_head(tmp_path_factory, family)
-    plain = LLM(path, **OPTIONS)
+def test_greedy_equals_plain_with_a_cached_second_turn(family, tmp_path_factory, request):
+    if family == "qwen3_5":                      # the module's checkpoint and plain engine
+        path, plain = request.getfixturevalue("checkpoint"), request.getfixturevalue("plain")
+    else:
+        path = with_mtp_head(tmp_path_factory, family)
+        plain = LLM(path, **OPTIONS)
     spec = LLM(path, speculative_config=SPEC, **OPTIONS)
     # batch 1 and 8 on Qwen3.5; one batch of 4 on the other families (each batch shape compiles anew)
     batches = (prompts(1), prompts(8, offset=50)) if family == "qwen3_5" else (prompts(4, offset=50),)
@@ -231,15 +237,18 @@ def test_a_draft_token_map_restricts_drafts_and_keeps_plain_tokens(checkpoint, p
 
 def test_greedy_equals_plain_under_preemption_and_with_the_host_tier(checkpoint, plain):
     batch = prompts(8, offset=200)
-    want = tokens(plain.generate(batch, GREEDY))
-    # 14 blocks of 8 tokens cannot hold 8 sequences of ~40 tokens: the newest are preempted and recomputed
-    tight = LLM(checkpoint, speculative_config=SPEC, num_gpu_blocks_override=20, kv_offloading_size=0.001,
-                **OPTIONS)
-    assert tokens(tight.generate(batch, GREEDY)) == want
+    long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    # the reference in halves, which the blocks hold: plain decoding without preemption
+    preemptions = plain.engine.scheduler.num_preemptions
+    want = tokens(plain.generate(batch[:4], long)) + tokens(plain.generate(batch[4:], long))
+    assert plain.engine.scheduler.num_preemptions == preemptions
+    # OPTIONS' 96 blocks of 8 tokens cannot hold 8 sequences of ~125 tokens: the newest are preempted and recomputed
+    tight = LLM(checkpoint, speculative_config=SPEC, kv_offloading_size=0.001, **OPTIONS)
+    assert tokens(tight.generate(batch, long)) == want
     assert tight.engine.scheduler.num_preemptions > 0
     assert tight.engine.stats.num_spec_rows > 0
     # the evicted prefixes went to the host tier; a second turn loads them back
-    turn = second_turn(batch[:2], tight.generate(batch[:2], GREEDY))
+    turn = second_turn(batch[:2], tight.generate(batch[:2], long))
     got = tight.generate(turn, GREEDY)
     assert tokens(got) == tokens(plain.generate(turn, GREEDY))
     tiers = tight.engine.cache_stats.tiers

@@ -31,7 +31,9 @@ _SCRIPT = textwrap.dedent("""
     path = write_tiny_checkpoint(sys.argv[1] + "/" + family, family, seed=3)
     cfg = ModelConfig.from_pretrained(path)
     save_mtp_params(path, init_mtp_params(load_params(path, cfg), cfg, jax.random.key(1)), cfg)
-    options = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=16,
+    # steps of at most 16 tokens: one prefill shape (and its mixed twin) per engine, as compiling dominates here;
+    # longer prompts prefill over several steps
+    options = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, block_size=16,
                    num_gpu_blocks_override=128, max_num_snapshots=32)
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
