@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation between engines in one process (qnext/engine/pd_transfer.py, docs/scale.md):
-greedy outputs equal one instance's, token for token, over 100+ short prompts (a few tokens to 3 blocks, some
+greedy outputs equal one instance's, token for token (and each token's logprob within 1e-4), over 100+ short prompts (a few tokens to 3 blocks, some
 sharing prefixes) across TP1 -> TP2 and TP2 -> TP1, with and without the decode side's own cached prefix, with MTP
 on the decode side (TP2 -> TP1 + MTP) and on the prefill side (its head's KV layer exported, dropped by a decode
 side without one), requests arriving while others decode; Qwen3-Next between TP1 and TP4 (heads replicated);
@@ -35,7 +35,7 @@ _SCRIPT = textwrap.dedent("""
     # longer prompts prefill over several steps
     options = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, block_size=16,
                    num_gpu_blocks_override=128, max_num_snapshots=32)
-    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
 
     rng = np.random.default_rng(0)
     stems = [rng.integers(3, 500, n).tolist() for n in (16, 20, 32)]    # shared prefixes, on and off a boundary
@@ -43,6 +43,10 @@ _SCRIPT = textwrap.dedent("""
     for i in range(num_prompts):
         tail = rng.integers(3, 500, int(rng.integers(1, 17))).tolist()
         prompts.append(stems[i % 3] + tail if i % 2 else rng.integers(3, 500, int(rng.integers(2, 49))).tolist())
+
+    def tokens_and_logprobs(out):   # (token ids, each one's logprob): a state moved wrong shows in the logprobs first
+        o = out.outputs[0]
+        return list(o.token_ids), [d[t].logprob for t, d in zip(o.token_ids, o.logprobs)]
 
     def drain(engine, outs):
         for o in engine.step():
@@ -56,7 +60,7 @@ _SCRIPT = textwrap.dedent("""
         outs = {}
         while engine.has_unfinished_requests():
             drain(engine, outs)
-        return {i: list(outs[f"ref{i}"].outputs[0].token_ids) for i in ids}
+        return {i: tokens_and_logprobs(outs[f"ref{i}"]) for i in ids}
 
     def disaggregated(prefill, decode, ids, tag):
         # three new prompts reach the prefill engine per round; finished prefills move while the decode engine decodes
@@ -77,9 +81,9 @@ _SCRIPT = textwrap.dedent("""
                               t.min_bytes, running])
             if decode.has_unfinished_requests():
                 drain(decode, outs)
-        tokens = {i: list(outs[f"{tag}{i}"].outputs[0].token_ids) for i in ids}
-        assert all(first[f"{tag}{i}"] == tokens[i][:1] for i in ids)
-        return tokens, moves
+        got = {i: tokens_and_logprobs(outs[f"{tag}{i}"]) for i in ids}
+        assert all(first[f"{tag}{i}"] == got[i][0][:1] for i in ids)
+        return got, moves
 
     engines = {"tp1": LLMEngine(path, **options)}
     for name in {side for pair in chosen_sets for side in pair.split("->")} - {"tp1"}:
@@ -97,7 +101,8 @@ _SCRIPT = textwrap.dedent("""
         prefill, decode = name.split("->")
         chosen = ids[k * num_prompts // len(chosen_sets):(k + 1) * num_prompts // len(chosen_sets)]
         got, moves = disaggregated(engines[prefill], engines[decode], chosen, name + ":")
-        out[name] = {"equal": all(got[i] == want[i] for i in chosen), "moves": moves, "n": len(chosen)}
+        out[name] = {"equal": all(got[i][0] == want[i][0] for i in chosen), "moves": moves, "n": len(chosen),
+                     "logprob_diff": max(float(np.abs(np.subtract(got[i][1], want[i][1])).max()) for i in chosen)}
     out["spec_rows"] = engines["tp1+mtp"].stats.num_spec_rows if "tp1+mtp" in engines else 0
     print(json.dumps(out))
 """)
@@ -107,6 +112,7 @@ def _check(out: dict, names: list[str]) -> None:
     for name in names:
         case = out[name]
         assert case["equal"], name
+        assert case["logprob_diff"] < 1e-4, (name, case["logprob_diff"])   # TP sums in another order: ~1e-6
         moves = np.array(case["moves"])
         assert len(moves) == case["n"]
         assert (moves[:, 2] == moves[:, 3]).all(), name            # bytes moved = missing blocks + one state
