@@ -1,9 +1,9 @@
 """Prefill/decode disaggregation between engines in one process (qnext/engine/pd_transfer.py, docs/scale.md):
-greedy outputs equal one instance's, token for token (and each token's logprob within 1e-4), over 100+ short prompts (a few tokens to 3 blocks, some
-sharing prefixes) across TP1 -> TP2 and TP2 -> TP1, with and without the decode side's own cached prefix, with MTP
-on the decode side (TP2 -> TP1 + MTP) and on the prefill side (its head's KV layer exported, dropped by a decode
-side without one), requests arriving while others decode; Qwen3-Next between TP1 and TP4 (heads replicated);
-only the missing blocks and one state move.
+greedy outputs equal one instance's, token for token (and each token's logprob within 1e-4), over 100+ short
+prompts (a few tokens to 3 blocks, some sharing prefixes) across TP1 -> TP2 and TP2 -> TP1, with and without the
+decode side's own cached prefix, with MTP on the decode side (TP2 -> TP1 + MTP) and on the prefill side (its head's
+KV layer exported, dropped by a decode side without one), requests arriving while others decode; Qwen3-Next between
+TP1 and TP4 (heads replicated); only the missing blocks and one state move.
 
 The engines run in a subprocess with two (four) XLA host devices (the flag must be set before JAX starts)."""
 from __future__ import annotations
