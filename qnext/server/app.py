@@ -46,8 +46,8 @@ def build_app(engine, *, model_name: str, aliases: Sequence[str] = (), max_waiti
     media_limits: pictures per request, bytes, pixels, URL fetching (qnext/vision/media.py). pd_role: "prefill" or
     "decode", one side of prefill/decode disaggregation (server/pd_serving.py); pd_prefill_urls: the prefill servers
     a decode server may fetch from."""
+    prefill_urls = prefill_url_allow_list(pd_role, pd_prefill_urls)   # checked before anything starts
     if pd_role is not None:
-        prefill_url_allow_list(pd_role, pd_prefill_urls)      # a bad --pd-prefill-url fails before anything starts
         engine = role_engine(engine, pd_role)
     if async_engine is None:
         async_engine, metrics = build_async_engine(engine, max_waiting_requests=max_waiting_requests,
@@ -70,7 +70,7 @@ def build_app(engine, *, model_name: str, aliases: Sequence[str] = (), max_waiti
     install_error_handlers(app, metrics.count_error)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if pd_role is not None:
-        install_pd_routes(app, engine, pd_role, pd_transfer_host, tuple(pd_prefill_urls))
+        install_pd_routes(app, engine, pd_role, pd_transfer_host, prefill_urls)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)       # outermost: refused before the body is read
 

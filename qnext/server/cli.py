@@ -187,10 +187,9 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
         async_engine = metrics = None
         if args.data_parallel_size > 1 and args.pd_role:
             raise ValueError("--pd-role serves one engine; drop --data-parallel-size")
-        if args.pd_role:
-            from qnext.server.pd_serving import prefill_url_allow_list
+        from qnext.server.pd_serving import prefill_url_allow_list
 
-            prefill_url_allow_list(args.pd_role, args.pd_prefill_url)
+        prefill_url_allow_list(args.pd_role, args.pd_prefill_url)     # before the model loads: minutes
         if args.data_parallel_size > 1:
             from qnext.server.data_parallel import build_replicas
 

@@ -177,8 +177,8 @@ class PullRequest(BaseModel):
 def install_pd_routes(app: FastAPI, engine, role: str, transfer_host: str = "127.0.0.1",
                       prefill_urls: tuple[str, ...] = ()) -> None:
     """The header middleware, and on a prefill server the bundle routes. prefill_urls: a decode server's
-    allow-list (prefill_url_allow_list)."""
-    app.add_middleware(PDHeaderMiddleware, prefill_urls=prefill_url_allow_list(role, prefill_urls))
+    allow-list, as prefill_url_allow_list returns it."""
+    app.add_middleware(PDHeaderMiddleware, prefill_urls=prefill_urls)
     if role != "prefill":
         return
     exports, mover = engine.prefill_exports, PrefillMover(transfer_host)

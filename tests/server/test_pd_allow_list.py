@@ -1,5 +1,6 @@
 """A decode server's allow-list of prefill servers (`--pd-prefill-url`): needed with `--pd-role decode`, refused
-elsewhere, base URLs only; `qnext serve` says so and exits 2 before loading anything."""
+elsewhere (a flag that would do nothing is an error), base URLs only; `qnext serve` says so and exits 2 before
+loading anything."""
 from __future__ import annotations
 
 import os
@@ -24,9 +25,10 @@ def test_the_allow_list_is_base_urls_for_a_decode_server_only():
             prefill_url_allow_list("decode", [bad])
 
 
-def test_serve_refuses_a_decode_role_without_prefill_urls(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "qnext.server", str(tmp_path / "no-model"), "--pd-role", "decode",
-                          "--port", "1"], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert run.returncode == 2, run.stderr[-2000:]
-    assert "--pd-role decode needs --pd-prefill-url" in run.stderr
+def test_serve_refuses_a_decode_role_without_prefill_urls_and_prefill_urls_without_it(tmp_path):
+    for flags, said in [(["--pd-role", "decode"], "--pd-role decode needs --pd-prefill-url"),
+                        (["--pd-prefill-url", "http://127.0.0.1:8001"], "--pd-prefill-url is for --pd-role decode")]:
+        run = subprocess.run([sys.executable, "-m", "qnext.server", str(tmp_path / "no-model"), *flags, "--port", "1"],
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        assert run.returncode == 2, run.stderr[-2000:]
+        assert said in run.stderr, run.stderr[-2000:]
