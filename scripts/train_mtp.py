@@ -210,16 +210,16 @@ def text_agreement(params, mtp, cfg, windows: np.ndarray, chunk: int = 16) -> tu
 def acceptance_lengths(params, mtp, cfg, prompts, gen_len: int, ks) -> dict[int, tuple[float, int]]:
     """{k: (mean tokens per verify round, rounds)} of the speculative reference loop over the prompts; raises if its
     tokens differ from plain greedy decoding's."""
-    from qnext.engine.spec_decode_reference import mtp_draft, plain_greedy, speculative_greedy
+    from qnext.engine.spec_decode_reference import mtp_draft, plain_greedy, speculative_greedy, target_forward
 
     length = len(prompts[0]) + gen_len + max(ks) + 1
-    draft = mtp_draft(params, mtp, cfg, length)
-    want = [plain_greedy(params, cfg, p, gen_len, length) for p in prompts]
+    draft, target = mtp_draft(params, mtp, cfg, length), target_forward(params, cfg)
+    want = [plain_greedy(params, cfg, p, gen_len, length, target) for p in prompts]
     out = {}
     for k in ks:
         accepted = []
         for prompt, w in zip(prompts, want):
-            got, acc = speculative_greedy(params, cfg, prompt, gen_len, k, draft, length)
+            got, acc = speculative_greedy(params, cfg, prompt, gen_len, k, draft, length, target)
             if got != w:
                 raise AssertionError(f"speculative decoding with k={k} changed the greedy tokens of {prompt}")
             accepted += acc

@@ -51,14 +51,17 @@ def mtp_draft(params, mtp, cfg: ModelConfig, length: int) -> Draft:
 
 
 def target_forward(params, cfg: ModelConfig):
+    """The target's (hidden, logits) for [1, length] ids, jitted with the weights baked in: build it once and pass it
+    as `target` to the calls below, which otherwise each compile their own."""
     return jax.jit(lambda ids: dense_hidden(params, ids, None, cfg))
 
 
 def speculative_greedy(params, cfg: ModelConfig, prompt: list[int], max_tokens: int, k: int,
-                       draft: Draft, length: int) -> tuple[list[int], list[int]]:
+                       draft: Draft, length: int, target=None) -> tuple[list[int], list[int]]:
     """Greedy decoding of max_tokens tokens with k drafts a round, sequences padded to `length` (at least
     len(prompt) + max_tokens + k). Returns (tokens, drafts accepted per round)."""
-    target = target_forward(params, cfg)
+    if target is None:
+        target = target_forward(params, cfg)
     seq = list(prompt)
     hidden, logits = target(_padded(seq, length))
     seq.append(int(jnp.argmax(logits[0, len(prompt) - 1])))
@@ -76,8 +79,10 @@ def speculative_greedy(params, cfg: ModelConfig, prompt: list[int], max_tokens: 
     return seq[len(prompt):len(prompt) + max_tokens], accepted
 
 
-def plain_greedy(params, cfg: ModelConfig, prompt: list[int], max_tokens: int, length: int) -> list[int]:
-    target = target_forward(params, cfg)
+def plain_greedy(params, cfg: ModelConfig, prompt: list[int], max_tokens: int, length: int,
+                 target=None) -> list[int]:
+    if target is None:
+        target = target_forward(params, cfg)
     seq = list(prompt)
     for _ in range(max_tokens):
         seq.append(int(jnp.argmax(target(_padded(seq, length))[1][0, len(seq) - 1])))

@@ -9,22 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from qnext.config import ModelConfig
-from qnext.engine.spec_decode_reference import target_forward
+from qnext.engine.spec_decode_reference import plain_greedy, target_forward
 from qnext.model.loader import load_params
 from qnext.model.mtp import init_mtp_params
 from scripts import train_mtp
 
 PROMPT_LEN, GEN_LEN, N = 4, 12, 4
-
-
-def greedy(target, prompt: list[int], length: int) -> list[int]:
-    """plain_greedy's loop (qnext/engine/spec_decode_reference.py) on one compiled target (plain_greedy compiles its
-    own on every call): the prompt and its greedy continuation, `length` tokens in all."""
-    seq = list(prompt)
-    while len(seq) < length:
-        ids = jnp.asarray([seq + [0] * (length - len(seq))], jnp.int32)     # right padding: one shape
-        seq.append(int(jnp.argmax(target(ids)[1][0, len(seq) - 1])))
-    return seq
 
 
 def test_head_memorises_greedy_continuations_and_keeps_greedy_tokens(tiny_checkpoint):
@@ -34,7 +24,7 @@ def test_head_memorises_greedy_continuations_and_keeps_greedy_tokens(tiny_checkp
     T = PROMPT_LEN + GEN_LEN
     prompts = np.random.default_rng(3).integers(3, cfg.vocab_size, (N, PROMPT_LEN)).tolist()
     target = target_forward(params, cfg)       # jitted: the continuations and their hidden states, one shape
-    seqs = np.array([greedy(target, p, T) for p in prompts], np.int32)
+    seqs = np.array([p + plain_greedy(params, cfg, p, GEN_LEN, T, target) for p in prompts], np.int32)
     hidden = np.concatenate([np.asarray(target(jnp.asarray(seqs[i:i + 1]))[0]) for i in range(N)])
 
     trainer = train_mtp.Trainer(params, cfg, PROMPT_LEN, T, chain_weight=0.5)
