@@ -169,7 +169,8 @@ class DataParallelEngine:
         """/health's per-replica lines."""
         return {"replicas_up": sum(r.is_running for r in self.replicas),
                 "replicas": [{"index": i, "up": r.is_running, "pid": getattr(r, "pid", None),
-                              "in_flight": r.in_flight()} for i, r in enumerate(self.replicas)]}
+                              "in_flight": r.in_flight(), "admitted": r.admitted()}
+                             for i, r in enumerate(self.replicas)]}
 
     def snapshot(self) -> EngineSnapshot:
         snaps = [r.snapshot() for r in self.replicas]

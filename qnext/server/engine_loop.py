@@ -91,6 +91,10 @@ class AsyncEngine:
         with self._lock:
             return len(self._live) + self._num_queued
 
+    def admitted(self) -> int:
+        """Of those, the ones the engine has taken."""
+        return len(self._live)
+
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 

@@ -109,6 +109,11 @@ class ProcessReplica:
         with self._lock:
             return len(self._streams)
 
+    def admitted(self) -> int:
+        """Of those, the ones the replica has taken (a replica that dies before taking one: it goes to another)."""
+        with self._lock:
+            return sum(s.admitted.done() for s in self._streams.values())
+
     # ---- the event loop ------------------------------------------------------------------------------------------
     async def add(self, request_id: str, prompt: dict, params) -> RequestStream:
         stream = RequestStream(request_id, asyncio.get_running_loop(), self.abort)

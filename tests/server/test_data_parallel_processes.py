@@ -41,12 +41,13 @@ def chat(base_url: str, question: str | list, max_tokens: int = 6, history: list
                             "ignore_eos": True})
 
 
-def wait_for_in_flight(base_url: str, per_replica: list[int], timeout: float = 60) -> None:
-    """Until each replica holds these many requests sent and not yet finished, as the router sees them."""
+def wait_for_in_flight(base_url: str, per_replica: list[int], timeout: float = 60, key: str = "in_flight") -> None:
+    """Until each replica holds these many requests sent (key="admitted": and taken) and not yet finished, as the
+    router sees them."""
     deadline = time.monotonic() + timeout
     while True:
         replicas = httpx.get(base_url + "/health", timeout=10).json()["replicas"]
-        if [r["in_flight"] for r in replicas] == per_replica:
+        if [r[key] for r in replicas] == per_replica:
             return
         assert time.monotonic() < deadline, f"the replicas never held {per_replica} requests: {replicas}"
         time.sleep(0.05)
@@ -120,7 +121,8 @@ def test_a_killed_replica_is_taken_out_and_the_other_keeps_answering(server):
     threads[0].start()
     wait_for_in_flight(server.base_url, [1, 0])
     threads[1].start()
-    wait_for_in_flight(server.base_url, [1, 1])      # one request on each replica, neither finished (300 tokens)
+    # one request taken by each replica, neither finished (300 tokens); one not yet taken would go to the other
+    wait_for_in_flight(server.base_url, [1, 1], key="admitted")
     os.kill(replicas[1]["pid"], signal.SIGKILL)
     for t in threads:
         t.join(120)
