@@ -19,6 +19,8 @@ loads the persisted cache there).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import functools
 import logging
 
@@ -186,6 +188,19 @@ def prefix_cache_fingerprint(cfg: ModelConfig, c: EngineConfig, weights_digest: 
     layout = engine_cache_layout(cfg, c)
     return cache_fingerprint(config, weights_digest, c.dtype, c.block_size, kv_dtype=layout.kv_storage,
                              snapshot_dtype=layout.snapshot_dtype)
+
+
+# ModelConfig fields that say how the engine lays the model out, not what it computes
+LAYOUT_FIELDS = ("backend", "gpu_kernels", "expert_parallel", "attention_tensor_parallel", "kv_cache_scale")
+
+
+def model_identity_digest(cfg: ModelConfig, weights_digest: str, dtype: str, fp8_weights: str) -> str:
+    """The model's identity (LLMEngine.model_identity): blake2b of its global config less LAYOUT_FIELDS, the weights'
+    digest and the dtypes the engine computes in."""
+    config = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in LAYOUT_FIELDS}
+    text = json.dumps({"config": config, "weights": weights_digest, "dtype": str(dtype), "fp8_weights": fp8_weights},
+                      sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 def params_weights_digest(params) -> str:

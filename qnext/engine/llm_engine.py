@@ -21,9 +21,10 @@ from typing import Any, Callable
 import jax
 
 from cache.fork_copies import warm_up_fork_copies
-from cache.fingerprint import files_digest_memoized
+from cache.fingerprint import files_digest, files_digest_memoized
 from qnext.config import ModelConfig
-from qnext.engine.cache_setup import cache_sizes, make_cache, params_weights_digest, prefix_cache_fingerprint
+from qnext.engine.cache_setup import (cache_sizes, make_cache, model_identity_digest, params_weights_digest,
+                                      prefix_cache_fingerprint)
 from qnext.engine.compilation_cache import enable_compilation_cache
 from qnext.engine.config import EngineConfig, resolved_fp8_weights
 from qnext.engine.drafter import Drafter
@@ -55,6 +56,8 @@ WEIGHTS_DIGEST_MEMO = "weights_digest.json"   # in prefix_cache_dir: the checkpo
 class LLMEngine(PrefillDecodeEnds):
     _weights_digest: str | None = None   # of the weights the cache was computed with (only with prefix_cache_dir)
     compilation_cache_dir: str | None = None   # JAX's persistent compilation cache this engine turned on (None: off)
+    _checkpoint_files: list[Path] | None = None   # the weights' files while the engine computes with them
+    _model_identity: str | None = None
     _closed = False
 
     def __init__(self, model: str | Path, *, progress: Callable[[str], Any] | None = None, **options):
@@ -73,8 +76,9 @@ class LLMEngine(PrefillDecodeEnds):
             raise ValueError(f"speculative_config {config.speculative_config} drafts with the checkpoint's MTP "
                              f"head, but {model} has none (no mtp.* tensors, no {MTP_FILE}); train one with "
                              "scripts/train_mtp.py or drop speculative_config")
+        self._checkpoint_files = checkpoint_files(model)
         if config.prefix_cache_dir is not None and config.enable_prefix_caching:
-            self._weights_digest = files_digest_memoized(checkpoint_files(model),
+            self._weights_digest = files_digest_memoized(self._checkpoint_files,
                                                          Path(config.prefix_cache_dir) / WEIGHTS_DIGEST_MEMO)
         self._start(config, checkpoint.config, checkpoint.params, tokenizer, checkpoint.mtp, drafter,
                     vision_setup(model, checkpoint.vision))
@@ -110,6 +114,7 @@ class LLMEngine(PrefillDecodeEnds):
         self.runner.params = self._weight_update(self.runner.params, params)
         self.cache.manager.clear_prefix_cache()
         self._weights_digest = None          # a persisted cache is bound to the new weights (digest at close)
+        self._checkpoint_files = self._model_identity = None
 
     def _start(self, config: EngineConfig, cfg: ModelConfig, params, tokenizer: Tokenizer | None, mtp=None,
                drafter=Drafter, vision: VisionSetup | None = None) -> None:
@@ -241,6 +246,18 @@ class LLMEngine(PrefillDecodeEnds):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def model_identity(self) -> str:
+        """A digest of what this engine computes with: the model's config (its parallel layout and kernels aside),
+        the engine's dtypes and the weights (the checkpoint's files as loaded, so equal for every tensor-parallel size;
+        the in-memory weights after from_params or update_weights). Every PD transfer and every rank's handshake
+        carries it: two processes that agree on it compute the same model. Computed once (reading the weights)."""
+        if self._model_identity is None:
+            weights = (files_digest(self._checkpoint_files) if self._checkpoint_files is not None
+                       else params_weights_digest(self.runner.params))
+            self._model_identity = model_identity_digest(self.model_config, weights, self.config.dtype,
+                                                         self.config.fp8_weights)
+        return self._model_identity
 
     def _cache_fingerprint(self) -> dict:
         if self._weights_digest is None:
