@@ -52,6 +52,7 @@ from qnext.bench.gemm_rates import gemm_rates  # noqa: E402
 from qnext.bench.logit_error import logit_error  # noqa: E402
 from qnext.bench.report import fmt_s, plot, print_report, set_floors, targets  # noqa: E402
 from qnext.bench.step_profile import host_summary, run_qnext  # noqa: E402
+from qnext.optional import optional_import  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -257,8 +258,9 @@ def main(argv=None) -> dict:
     log = functools.partial(print, file=sys.stderr, flush=True)
     hf_ok = False
     if any(args.hf_batches.values()):
-        import torch
-        import transformers
+        torch = optional_import("torch", "reference", "--hf-batches (transformers' side of the benchmark)")
+        transformers = optional_import("transformers", "reference",
+                                       "--hf-batches (transformers' side of the benchmark)")
         torch.set_num_threads(args.threads)
         hf_ok = True
         log(f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads")

@@ -30,6 +30,7 @@ from cache.replay import (POLICIES, WORKLOADS, ReplaySettings, compare, load_tra
                           ordering_violations, snapshot_share_sweep)
 from cache.replay.tiers import host_tier_sweep, restart_replay  # noqa: E402
 from cache.sizing import DEFAULT_SNAPSHOT_MEMORY_FRACTION  # noqa: E402
+from qnext.optional import optional_import  # noqa: E402
 
 SWEEP_FRACTIONS = [0.1, 0.25, 0.4, 0.5, 0.6, 0.75, 0.9]
 
@@ -111,9 +112,9 @@ def _fmt_tokens(n: int) -> str:
 
 
 def plot(results: dict, path: str) -> None:
-    import matplotlib
+    matplotlib = optional_import("matplotlib", "bench", "--plot")
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = optional_import("matplotlib.pyplot", "bench", "--plot")
     names = list(results["workloads"])
     fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False)
     for ax, name in zip(axes[0], names):

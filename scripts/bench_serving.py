@@ -37,6 +37,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from qnext.optional import optional_import  # noqa: E402
 
 CHAT_SERVER_ARGS = "--max-num-seqs 8 --max-num-batched-tokens 64 --max-model-len 512"
 AGENT_SERVER_ARGS = "--max-num-seqs 8 --max-num-batched-tokens 1024 --max-model-len 16384"
@@ -244,7 +245,7 @@ async def agent_call(client: httpx.AsyncClient, body: dict, timeout: float) -> A
 
 
 def valid_call(call: dict, tools_by_name: dict) -> bool:
-    import jsonschema
+    jsonschema = optional_import("jsonschema", "bench", "checking tool-call arguments against their schema")
 
     tool = tools_by_name.get(call["function"]["name"])
     if tool is None:

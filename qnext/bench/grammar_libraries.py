@@ -9,6 +9,8 @@ import time
 
 import numpy as np
 
+from qnext.optional import optional_import
+
 # A realistic response_format schema: nested objects, an array of objects, enums, a pattern, numbers, a nullable.
 ORDER_SCHEMA = {
     "type": "object",
@@ -83,7 +85,7 @@ def bench_llguidance(tok_json: str, vocab: int, eos: int, schema: dict, repeats:
 
 
 def bench_xgrammar(pieces: list[bytes], vocab: int, eos: int, schema: dict, doc: list[int], repeats: int = 3):
-    import xgrammar as xgr
+    xgr = optional_import("xgrammar", "grammar-bench", "the xgrammar row of the grammar benchmark")
 
     t0 = time.perf_counter()
     info = xgr.TokenizerInfo(pieces, vocab_type=xgr.VocabType.RAW, vocab_size=vocab, stop_token_ids=[eos])
@@ -106,8 +108,10 @@ def bench_xgrammar(pieces: list[bytes], vocab: int, eos: int, schema: dict, doc:
 
 
 def bench_outlines_core(pieces: list[bytes], vocab: int, eos: int, schema: dict, doc: list[int], repeats: int = 1):
-    from outlines_core import Guide, Index, Vocabulary
-    from outlines_core.json_schema import build_regex_from_schema
+    outlines_core = optional_import("outlines_core", "grammar-bench", "the outlines-core row of the grammar benchmark")
+    Guide, Index, Vocabulary = outlines_core.Guide, outlines_core.Index, outlines_core.Vocabulary
+    build_regex_from_schema = optional_import("outlines_core.json_schema", "grammar-bench",
+                                              "the outlines-core row of the grammar benchmark").build_regex_from_schema
 
     t0 = time.perf_counter()
     mapping: dict[bytes, list[int]] = {}

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from qnext.optional import optional_import
+
 
 def set_floors(row: dict, fl: dict) -> None:
     """The row's floors (qnext/bench/bandwidth.py: floors) and each engine's share of them."""
@@ -134,9 +136,9 @@ def print_report(report: dict) -> None:
 
 
 def plot(report: dict, path: str) -> None:
-    import matplotlib
+    matplotlib = optional_import("matplotlib", "bench", "--plot")
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = optional_import("matplotlib.pyplot", "bench", "--plot")
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]

