@@ -28,6 +28,7 @@ import numpy as np
 logger = logging.getLogger("qnext.cache")
 
 FILE_NAME = "prefix_cache.qnext"
+TMP_PREFIX, TMP_SUFFIX = ".prefix_cache.", ".tmp"      # a write in progress (renamed over FILE_NAME when whole)
 MAGIC = b"QNXTPC\r\n"
 FORMAT_VERSION = 1
 _DIGEST = 32
@@ -57,7 +58,7 @@ def write_cache_file(directory: str | os.PathLike, header: dict, arrays: list[Ar
                         "nbytes": a.nbytes})
         offset += a.nbytes
     head = json.dumps({**header, "format": FORMAT_VERSION, "arrays": entries}).encode()
-    fd, tmp = tempfile.mkstemp(prefix=".prefix_cache.", suffix=".tmp", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=TMP_SUFFIX, dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(MAGIC + len(head).to_bytes(8, "little") + head + hashlib.sha256(head).digest())
@@ -103,7 +104,9 @@ class CacheFile:
 
 def read_cache_file(directory: str | os.PathLike, fingerprint: dict) -> CacheFile | None:
     """The cache file in `directory` if it is whole and its fingerprint equals `fingerprint`; otherwise None, with
-    one warning saying why (none when there is no file yet)."""
+    one warning saying why (none when there is no file yet). Writes that a crash interrupted (their temporary files)
+    are removed first: one engine owns a cache directory, so none of them can still be in progress."""
+    remove_interrupted_writes(directory)
     path = Path(directory) / FILE_NAME
     if not path.is_file():
         return None
@@ -117,6 +120,21 @@ def read_cache_file(directory: str | os.PathLike, fingerprint: dict) -> CacheFil
         mapped.close()
         return _ignore(path, reason)
     return CacheFile(path, header, mapped, start)
+
+
+def remove_interrupted_writes(directory: str | os.PathLike) -> int:
+    """Deletes the temporary files of writes that never finished (a kill -9 or a full disk mid-save) -> how many;
+    without this each crashed save would leave its partial copy of the cache on disk for ever."""
+    removed = 0
+    for stale in Path(directory).glob(f"{TMP_PREFIX}*{TMP_SUFFIX}"):
+        try:
+            stale.unlink()
+            removed += 1
+        except OSError as e:
+            logger.warning("cannot remove %s, left by an interrupted write of the prefix cache: %s", stale, e)
+    if removed:
+        logger.info("removed %d partial prefix cache file(s) left by an interrupted write in %s", removed, directory)
+    return removed
 
 
 def _check(mapped: mmap.mmap, fingerprint: dict) -> tuple[str | None, dict | None, int]:

@@ -37,6 +37,20 @@ def test_arrays_come_back_exactly_and_the_write_is_atomic(tmp_path):
     assert np.array_equal(read_cache_file(tmp_path, FINGERPRINT).array("a"), a)
 
 
+def test_a_write_killed_midway_leaves_no_file_behind_after_the_next_start(tmp_path, caplog):
+    """A kill -9 during the save leaves its temporary file (the soak found them piling up): the next start (the
+    read) removes it and still reads the last whole file."""
+    a = np.arange(6, dtype=np.float32)
+    write_cache_file(tmp_path, {"fingerprint": FINGERPRINT}, [spec("a", a)])
+    (tmp_path / ".prefix_cache.k1ll3d.tmp").write_bytes(b"QNEXT partial")
+    with caplog.at_level(logging.INFO, logger="qnext.cache"):
+        f = read_cache_file(tmp_path, FINGERPRINT)
+    assert np.array_equal(f.array("a"), a)
+    f.close()
+    assert [p.name for p in tmp_path.iterdir()] == [FILE_NAME]
+    assert "interrupted write" in caplog.text
+
+
 @pytest.mark.parametrize("part, value, reason", [("weights", "other", "the model's weights differ"),
                                                  ("block_size", 32, "block_size 16 != 32"),
                                                  ("dtype", "bfloat16", "dtype 'float32' != 'bfloat16'"),
