@@ -1,7 +1,8 @@
 """A data parallel replica's own process (`qnext serve --data-parallel-size N`, the process backend): one engine on
 its own devices, driven by the usual AsyncEngine, talking to the HTTP process over a pipe.
 
-Messages in (pickled tuples): ("add", request_id, prompt, params), ("abort", request_id), ("stop",).
+Messages in (tuples, pickled by multiprocessing over a pipe between this host's processes, never over a network):
+("add", request_id, prompt, params), ("abort", request_id), ("stop",).
 Messages out: ("refused", message) instead of "ready" when JAX gave it other devices than assigned
 (replica_devices.py), ("ready", info), ("admitted", request_id), ("rejected", request_id, kind, message),
 ("delta", request_id, StreamDelta), ("failed", request_id, kind, message), ("snapshot", EngineSnapshot).
