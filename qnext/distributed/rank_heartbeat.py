@@ -48,7 +48,7 @@ class RankMonitor:
 
     @property
     def ranks_up(self) -> int:
-        """Rank 0 and every follower that has written and not failed since."""
+        """Rank 0 and every follower that passed the handshake and has not failed since."""
         with self._lock:
             return 1 + len(self._up)
 
@@ -131,9 +131,12 @@ class RankMonitor:
             rank, hello, nonce = hear_follower(conn, self.credentials, self.nnodes,
                                                min(HANDSHAKE_TIMEOUT_S, self.timeout_s))
             with self._lock:
-                if rank in self._up or rank in self._down:
-                    raise HandshakeRefused(f"rank {rank} is already {'up' if rank in self._up else 'down'}; a "
-                                           "second process claims it (check --node-rank on every rank)")
+                if rank in self._up:
+                    raise HandshakeRefused(f"rank {rank} is already up; a second process claims it (check "
+                                           "--node-rank on every rank)")
+                if rank in self._down:
+                    raise HandshakeRefused(f"rank {rank} went down and the engine cannot take it back: restart "
+                                           "every rank")
                 self._up.add(rank)
         except HandshakeRefused as e:
             self.last_refusal = f"a connection from {peer[0]} was refused: {e}"
