@@ -61,6 +61,8 @@ def build_lockstep_engine(model, engine_options: dict, args, monitor=None) -> Se
     logger.info("rank %d of %d joined; %d devices in all; loading %s", args.node_rank, args.nnodes,
                 jax.device_count(), model)
     engine = qnext.LLM(model, progress=logger.info, **options).engine
+    # the warm-up runs steps, whose collectives would wait on a rank still loading: start it together
+    wait_for_every_rank("loaded", args.dist_start_timeout)
     if not args.no_warm_up:
         warm_up_with_progress(engine)
     logger.info("rank %d is ready; waiting for every rank to be", args.node_rank)
