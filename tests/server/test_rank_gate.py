@@ -1,5 +1,5 @@
 """Rank 0's view of the other ranks, without JAX (qnext/distributed/rank_heartbeat.py, qnext/server/rank_gate.py,
-qnext/server/multinode.watch_ranks): followers counted from their first heartbeat, a silent follower down after the
+qnext/server/multinode.watch_ranks): followers counted from their handshake, a silent follower down after the
 timeout and a closed one at once, the gate's 503s saying why, and requests in flight failed even when the engine
 thread is stuck in a step that waits for the lost rank (a hung follower)."""
 from __future__ import annotations
