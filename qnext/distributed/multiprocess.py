@@ -16,9 +16,10 @@ prompts). On CPU the collectives run over gloo (TCP), so this is tested with pro
 from __future__ import annotations
 
 import dataclasses
-import pickle
 
 import numpy as np
+
+from qnext.distributed.request_codec import decode_ops, encode_ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,26 @@ def initialize(config: DistributedConfig, timeout_s: int = 300, serving: bool = 
                                process_id=config.node_rank, initialization_timeout=timeout_s)
 
 
+class RanksNotReadyError(RuntimeError):
+    """Not every rank reached a start-up barrier in time."""
+
+
+def wait_for_every_rank(name: str, timeout_s: float) -> None:
+    """Returns once every process has called this with the same `name` (a barrier of jax.distributed's coordination
+    service: no device collective, so a rank still compiling cannot make it mismatch); RanksNotReadyError after
+    `timeout_s` naming the barrier. Each name is used once. A no-op in one process."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        return
+    try:
+        client.wait_at_barrier(f"qnext-{name}", int(timeout_s * 1000))
+    except Exception as e:          # jaxlib's JaxRuntimeError: DEADLINE_EXCEEDED, or a rank that failed
+        raise RanksNotReadyError(f"not every rank was {name} within {timeout_s:g} s: {str(e).splitlines()[0]}") \
+            from None
+
+
 def is_leader() -> bool:
     import jax
 
@@ -62,9 +83,9 @@ def is_leader() -> bool:
 
 
 class RequestBroadcast:
-    """What rank 0 received since the last step (new requests, aborts: any picklable list), sent to every process
-    before each step so that their schedulers see the same requests in the same order. Two broadcasts a step: the
-    length, then the bytes (jax.experimental.multihost_utils.broadcast_one_to_all)."""
+    """What rank 0 received since the last step (new requests, aborts, as request_codec.py encodes them: plain data,
+    never pickle), sent to every process before each step so that their schedulers see the same requests in the same
+    order. Two broadcasts a step: the length, then the bytes (jax.experimental.multihost_utils.broadcast_one_to_all)."""
 
     def exchange(self, ops: list | None) -> list:
         """Rank 0 passes its ops and every other process None; all get rank 0's ops back."""
@@ -74,13 +95,13 @@ class RequestBroadcast:
 
         if jax.process_count() == 1:
             return ops or []
-        data = np.frombuffer(pickle.dumps(ops or []), np.uint8) if is_leader() else np.zeros(0, np.uint8)
+        data = np.frombuffer(encode_ops(ops or []), np.uint8) if is_leader() else np.zeros(0, np.uint8)
         size = int(multihost_utils.broadcast_one_to_all(np.int64(data.size)))
         buf = np.zeros(size, np.uint8)
         if is_leader():
             buf[:] = data
         buf = np.asarray(multihost_utils.broadcast_one_to_all(buf))
-        return pickle.loads(buf.tobytes())
+        return decode_ops(buf.tobytes())
 
 
 class LockstepEngine:

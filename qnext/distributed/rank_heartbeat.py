@@ -2,9 +2,12 @@
 
 JAX's collectives say nothing until one is entered, and a rank that hangs (rather than exits) makes the others wait
 in it. So every follower also keeps a plain TCP connection to rank 0 (the coordinator's port + 1) and writes one
-byte a second on it. Rank 0's `RankMonitor` counts a rank up from its first byte; the rank is down when its
-connection closes (it exited) or when it has been silent for `timeout_s` (it hangs). Followers connect before they
-join `jax.distributed`, so rank 0 can say how many have arrived while it waits for the rest."""
+byte a second on it. The connection opens with a handshake (rank_handshake.py: the follower proves the cluster
+secret and presents its rank, checkpoint identity and engine options); one that fails it is closed and changes no
+rank's state, and a second connection for a rank already counted is refused. Rank 0's `RankMonitor` counts a rank
+up from its handshake; the rank is down when its connection closes (it exited) or when it has been silent for
+`timeout_s` (it hangs). Followers connect before they join `jax.distributed`, so rank 0 can say how many have
+arrived (and why one was refused) while it waits for the rest."""
 from __future__ import annotations
 
 import logging
@@ -13,9 +16,13 @@ import socket
 import threading
 import time
 
+from qnext.distributed.rank_handshake import (HANDSHAKE_TIMEOUT_S, HandshakeRefused, RankCredentials, hear_follower,
+                                              introduce, refuse, welcome)
+
 logger = logging.getLogger("qnext.distributed")
 
 HEARTBEAT_INTERVAL_S = 1.0
+MAX_PENDING_HANDSHAKES = 16      # connections still in their handshake; more are closed at once
 
 
 def heartbeat_address(dist_init_addr: str) -> tuple[str, int]:
@@ -27,8 +34,10 @@ def heartbeat_address(dist_init_addr: str) -> tuple[str, int]:
 class RankMonitor:
     """Rank 0: accepts the followers' heartbeat connections and keeps their state (thread-safe)."""
 
-    def __init__(self, nnodes: int, address: tuple[str, int], timeout_s: float):
-        self.nnodes, self.timeout_s = nnodes, timeout_s
+    def __init__(self, nnodes: int, address: tuple[str, int], timeout_s: float, credentials: RankCredentials):
+        self.nnodes, self.timeout_s, self.credentials = nnodes, timeout_s, credentials
+        self.last_refusal: str | None = None     # why the latest connection was refused (for "did not join")
+        self._pending = 0
         self._up: set[int] = set()
         self._down: dict[int, str] = {}          # rank -> why it is down
         self._lock = threading.Lock()
@@ -39,7 +48,7 @@ class RankMonitor:
 
     @property
     def ranks_up(self) -> int:
-        """Rank 0 and every follower that has written and not failed since."""
+        """Rank 0 and every follower that passed the handshake and has not failed since."""
         with self._lock:
             return 1 + len(self._up)
 
@@ -89,52 +98,86 @@ class RankMonitor:
     def _accept(self) -> None:
         while True:
             try:
-                conn, _ = self._listener.accept()
+                conn, peer = self._listener.accept()
             except OSError:              # closed
                 return
-            threading.Thread(target=self._watch, args=(conn,), name="qnext-rank-heartbeat", daemon=True).start()
+            with self._lock:
+                busy = self._pending >= MAX_PENDING_HANDSHAKES
+                self._pending += not busy
+            if busy:
+                logger.warning("refused a heartbeat connection from %s: %d handshakes already pending", peer[0],
+                               MAX_PENDING_HANDSHAKES)
+                conn.close()
+                continue
+            threading.Thread(target=self._watch, args=(conn, peer), name="qnext-rank-heartbeat",
+                             daemon=True).start()
 
-    def _watch(self, conn: socket.socket) -> None:
-        with self._lock:
-            self._num_connected += 1
+    def _watch(self, conn: socket.socket, peer) -> None:
+        with conn:
+            rank = self._admit(conn, peer)
+            if rank is None:
+                return
+            with self._lock:
+                self._num_connected += 1
+            try:
+                self._watch_beats(conn, rank)
+            finally:
+                with self._lock:
+                    self._num_connected -= 1
+
+    def _admit(self, conn: socket.socket, peer) -> int | None:
+        """The handshake -> the follower's rank, now counted up; None (the connection refused, no state changed)."""
         try:
-            self._watch_connection(conn)
+            rank, hello, nonce = hear_follower(conn, self.credentials, self.nnodes,
+                                               min(HANDSHAKE_TIMEOUT_S, self.timeout_s))
+            with self._lock:
+                if rank in self._up:
+                    raise HandshakeRefused(f"rank {rank} is already up; a second process claims it (check "
+                                           "--node-rank on every rank)")
+                if rank in self._down:
+                    raise HandshakeRefused(f"rank {rank} went down and the engine cannot take it back: restart "
+                                           "every rank")
+                self._up.add(rank)
+        except HandshakeRefused as e:
+            self.last_refusal = f"a connection from {peer[0]} was refused: {e}"
+            logger.warning("rank heartbeat port: %s", self.last_refusal)
+            refuse(conn, str(e))
+            return None
+        except OSError:
+            return None
         finally:
             with self._lock:
-                self._num_connected -= 1
+                self._pending -= 1
+        try:
+            welcome(conn, self.credentials, hello, nonce)
+        except OSError as e:
+            self.mark_down(rank, f"lost its connection during the handshake ({e})")
+            return None
+        logger.info("rank %d of %d connected from %s", rank, self.nnodes, peer[0])
+        return rank
 
-    def _watch_connection(self, conn: socket.socket) -> None:
-        with conn:
-            conn.settimeout(self.timeout_s)
+    def _watch_beats(self, conn: socket.socket, rank: int) -> None:
+        conn.settimeout(self.timeout_s)
+        while True:
             try:
-                rank = int(conn.recv(8).split(b"\n")[0])
-            except (OSError, ValueError):
+                data = conn.recv(64)
+            except socket.timeout:
+                self.mark_down(rank, f"sent no heartbeat for {self.timeout_s:g} s (hung or cut off)")
                 return
-            if not 0 < rank < self.nnodes:
-                logger.error("a heartbeat came from rank %d; this run has ranks 1..%d", rank, self.nnodes - 1)
+            except OSError as e:
+                self.mark_down(rank, f"lost its connection ({e})")
                 return
-            with self._lock:
-                if rank not in self._down:
-                    self._up.add(rank)
-            while True:
-                try:
-                    data = conn.recv(64)
-                except socket.timeout:
-                    self.mark_down(rank, f"sent no heartbeat for {self.timeout_s:g} s (hung or cut off)")
-                    return
-                except OSError as e:
-                    self.mark_down(rank, f"lost its connection ({e})")
-                    return
-                if not data:
-                    self.mark_down(rank, "closed its connection (the process exited)")
-                    return
+            if not data:
+                self.mark_down(rank, "closed its connection (the process exited)")
+                return
 
 
 class HeartbeatSender:
-    """A follower: connects to rank 0's monitor (retrying until `connect_timeout_s`) and writes a byte a second.
-    When rank 0 goes away this process has nothing left to follow: it exits (status 1) unless `stop()` was called."""
+    """A follower: connects to rank 0's monitor (retrying until `connect_timeout_s`), passes the handshake
+    (HandshakeRefused with rank 0's reason otherwise) and writes a byte a second. When rank 0 goes away this process
+    has nothing left to follow: it exits (status 1) unless `stop()` was called."""
 
-    def __init__(self, address: tuple[str, int], rank: int, connect_timeout_s: float):
+    def __init__(self, address: tuple[str, int], rank: int, credentials: RankCredentials, connect_timeout_s: float):
         deadline = time.monotonic() + connect_timeout_s
         while True:
             try:
@@ -146,7 +189,12 @@ class HeartbeatSender:
                                        f"{connect_timeout_s:g} s ({e}): start rank 0 first, with the same "
                                        f"--dist-init-addr") from None
                 time.sleep(0.2)
-        self._sock.sendall(f"{rank}\n".encode())
+        try:
+            introduce(self._sock, rank, credentials)
+        except BaseException:
+            self._sock.close()
+            raise
+        self._sock.settimeout(None)
         self._stopped = threading.Event()
         threading.Thread(target=self._beat, name="qnext-heartbeat", daemon=True).start()
 

@@ -2,7 +2,10 @@
 
 `ServedLockstepEngine` is LockstepEngine (multiprocess.py: rank 0's requests broadcast before each step) with what a
 long-running server needs on top:
-- a bad request is refused on rank 0 when it is added (the engine's own checks), so it never reaches a broadcast;
+- rank 0 applies each add / abort / release to its engine at once (the engine's full admission: a request it
+  refuses is answered 400 and never broadcast) and queues it for the other ranks, which apply the same operations
+  in the same order before the same step; a follower that refuses what rank 0 admitted has diverged from it and
+  stops (RanksDivergedError), which rank 0 sees as a lost rank, so no request is left waiting;
 - finished requests are released in every process (their bookkeeping does not pile up on the followers);
 - while idle, rank 0 still exchanges an empty list every `keepalive_s`, so the followers are never parked in a
   collective for long and a lost rank shows at the next exchange;
@@ -14,6 +17,7 @@ from __future__ import annotations
 import time
 
 from qnext.distributed.multiprocess import LockstepEngine, is_leader
+from qnext.distributed.request_codec import encode_ops
 
 
 FOLLOWERS_EXIT_S = 20.0    # rank 0 waits this long at shutdown for the followers to leave jax.distributed
@@ -21,6 +25,11 @@ FOLLOWERS_EXIT_S = 20.0    # rank 0 waits this long at shutdown for the follower
 
 class RanksDownError(Exception):
     """A rank of the engine is down; the engine cannot step again (restart every rank)."""
+
+
+class RanksDivergedError(Exception):
+    """A follower could not apply what rank 0 broadcast (a malformed broadcast, or a request rank 0's engine admitted
+    and this one refuses): it no longer runs the same engine and must stop."""
 
 
 class ServedLockstepEngine(LockstepEngine):
@@ -35,18 +44,19 @@ class ServedLockstepEngine(LockstepEngine):
         return getattr(self.engine, name)
 
     def add_request(self, request_id: str, prompt, params=None) -> None:
-        """Checks the request as the engine would (ValueError to the client), then queues it for every rank."""
-        from qnext.sampling_params import SamplingParams
+        """Rank 0: the engine admits the request (its ValueError goes to the client), then it is queued for the
+        other ranks. A request the broadcast cannot carry is refused before the engine sees it."""
+        encode_ops([("add", request_id, prompt, params)])
+        self.engine.add_request(request_id, prompt, params)
+        self._ops.append(("add", request_id, prompt, params))
 
-        params = params or SamplingParams()
-        _, token_ids = self.engine.tokenize(prompt)
-        self.engine.validate(token_ids, params)
-        if request_id in self.engine.requests or any(op[1] == request_id for op in self._ops if op[0] == "add"):
-            raise ValueError(f"request id {request_id!r} is already in use")
-        super().add_request(request_id, prompt, params)
+    def abort_request(self, request_id: str):
+        self._ops.append(("abort", request_id))
+        return self.engine.abort_request(request_id)
 
     def release(self, request_id: str) -> None:
         self._ops.append(("release", request_id))
+        self.engine.release(request_id)
 
     def has_unfinished_requests(self) -> bool:
         keepalive_due = is_leader() and time.monotonic() - self._last_exchange >= self.keepalive_s
@@ -61,8 +71,15 @@ class ServedLockstepEngine(LockstepEngine):
             for op in ops:
                 if op[0] == "shutdown":
                     return None
-                self._apply(op)
+                if not is_leader():          # rank 0 applied its operations when they were made
+                    self._apply(op)
             return self.engine.step() if self.engine.has_unfinished_requests() else []
+        except RanksDivergedError:
+            raise
+        except ValueError as e:
+            if is_leader():
+                raise
+            raise RanksDivergedError(f"rank 0's request broadcast could not be read ({e})") from e
         except Exception as e:
             self.failure = self._which_rank(1.0) or f"a collective between the ranks failed ({e})"
             raise RanksDownError(f"the engine lost a rank: {self.failure}") from e
@@ -72,8 +89,9 @@ class ServedLockstepEngine(LockstepEngine):
         if kind == "add":
             try:
                 self.engine.add_request(*op[1:])
-            except ValueError:          # checked on rank 0 before it was queued; the same everywhere if not
-                pass
+            except ValueError as e:
+                raise RanksDivergedError(f"this rank refused request {request_id!r}, which rank 0 admitted ({e}); "
+                                         "the ranks no longer run the same engine") from e
         elif kind == "abort":
             self.engine.abort_request(request_id)
         elif kind == "release":

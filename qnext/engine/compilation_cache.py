@@ -7,6 +7,11 @@ means $QNEXT_COMPILATION_CACHE_DIR, else a directory already set with `jax.confi
 setting alone (off unless set in JAX). The cache is process-wide JAX state: an engine that names another directory
 moves it for the whole process.
 
+Over several processes (`--nnodes`), JAX writes cache entries from process 0 only (jax/_src/compiler.py
+`_cache_write`), so a rank > 0 on a host of its own compiled every step shape at every start. Each rank > 0 therefore
+keeps its own entries in `<dir>/rank-<r>` (no two processes write one file, even when the ranks share a host or a
+network file system) and writes them itself (`_write_on_every_rank`).
+
 Tracing and lowering each step shape again still costs a cached start most of its warm-up, so a warm-up that
 completes leaves a marker file (per model shape, engine options, step-shape count, JAX version and platform) in the
 cache directory, and `warm_up_unless_cached` skips the warm-up of a later start that finds it: each step shape
@@ -56,6 +61,10 @@ def enable_compilation_cache(option: str | os.PathLike | None) -> str | None:
     import jax
     from jax.experimental.compilation_cache import compilation_cache
 
+    rank = jax.process_index() if jax.process_count() > 1 else 0
+    if rank > 0:
+        path = path if Path(path).name == f"rank-{rank}" else str(Path(path) / f"rank-{rank}")
+        _write_on_every_rank()
     Path(path).mkdir(parents=True, exist_ok=True)
     previous = jax.config.jax_compilation_cache_dir
     jax.config.update("jax_compilation_cache_dir", path)
@@ -65,6 +74,33 @@ def enable_compilation_cache(option: str | os.PathLike | None) -> str | None:
         logger.warning("JAX's compilation cache moves from %s to %s for this process", previous, path)
         compilation_cache.reset_cache()
     return path
+
+
+def _write_on_every_rank() -> None:
+    """Lets this process (a rank > 0) write its compiled programs into its cache directory as process 0 does. JAX
+    has no option for it: this wraps its private `_cache_write` once; with another JAX that lacks it, ranks > 0 read
+    the cache but do not fill it (logged)."""
+    from jax._src import compilation_cache as jax_cache, compiler, config, distributed
+
+    original = getattr(compiler, "_cache_write", None)
+    if original is None or getattr(original, "qnext_every_rank", False):
+        if original is None:
+            logger.warning("this JAX has no compiler._cache_write: ranks > 0 will not fill their compilation cache")
+        return
+
+    def cache_write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
+        if distributed.global_state.process_id == 0 or host_callbacks:
+            return original(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
+        if compile_time_secs < config.persistent_cache_min_compile_time_secs.value:
+            return None
+        try:
+            jax_cache.put_executable_and_time(cache_key, module_name, executable, backend, int(compile_time_secs))
+        except Exception as e:           # as JAX does: a cache that cannot be written costs a compile, not the run
+            logger.warning("could not write %s to the compilation cache: %s", module_name, e)
+        return None
+
+    cache_write.qnext_every_rank = True
+    compiler._cache_write = cache_write
 
 
 def warm_up_marker(cache_dir: str, engine) -> Path:

@@ -110,9 +110,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pd-prefill-url", action="append", default=[], metavar="URL",
                    help="with --pd-role decode (needed there; repeat for several): a prefill server this server may "
                         "fetch from; a request naming any other gets a 400")
+    from qnext.distributed.cluster_secret import add_cluster_secret_arguments
     from qnext.server.multinode import add_multinode_arguments
 
     add_multinode_arguments(p)
+    add_cluster_secret_arguments(p)
 
 
 def add_pd_router_arguments(p: argparse.ArgumentParser) -> None:
@@ -161,10 +163,11 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
     names = names or [str(args.model)]
     if args.nnodes > 1:
         from qnext.distributed.multiprocess import distributed_config
-        from qnext.server.multinode import follow, lead
+        from qnext.server.multinode import follow, lead, rank_secret
 
         try:
             distributed_config(args)
+            secret = rank_secret(args)
         except ValueError as e:
             logger.error("%s", e)
             return 2
@@ -173,8 +176,8 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
                          "it is not supported: start one multi-rank server per replica instead")
             return 2
         if args.node_rank > 0:
-            return follow(model, engine_options, args)
-        gate = lead(model, engine_options, args, names)
+            return follow(model, engine_options, args, secret)
+        gate = lead(model, engine_options, args, names, secret)
         code = run_uvicorn(gate, args)
         if gate.lost_rank:          # the engine thread may sit in a collective for ever: leave without it
             logger.warning("rank 0 exits without waiting for the engine, which lost a rank")

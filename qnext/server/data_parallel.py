@@ -292,17 +292,18 @@ def build_replicas(model, engine_options: dict, args, model_name: str):
 
 
 def _build_process_replicas(model, engine_options: dict, args, model_name: str, logger):
-    """A process per replica (replica_worker.py), each on its own devices (replica_process.replica_env); the
-    tokenizer is loaded here for the HTTP side."""
+    """A process per replica (replica_worker.py), each on its own devices (replica_devices.py: it refuses to start
+    on others); the tokenizer is loaded here for the HTTP side."""
     from pathlib import Path
 
     from qnext.engine.visual_intake import vision_setup
+    from qnext.server.replica_devices import assign_replica_devices
     from qnext.server.replica_process import ProcessReplica, facade
     from qnext.tokenizer import Tokenizer
 
-    replicas = [ProcessReplica(i, model, engine_options, max_waiting_requests=args.max_waiting_requests,
-                               warm_up=not args.no_warm_up, log_level=args.log_level)
-                for i in range(args.data_parallel_size)]
+    assignments = assign_replica_devices(args.data_parallel_size, engine_options.get("tensor_parallel_size") or 1)
+    replicas = [ProcessReplica(devices, model, engine_options, max_waiting_requests=args.max_waiting_requests,
+                               warm_up=not args.no_warm_up, log_level=args.log_level) for devices in assignments]
     try:
         infos = [r.wait_ready(timeout=3600) for r in replicas]
     except BaseException:

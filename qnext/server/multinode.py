@@ -1,20 +1,27 @@
 """`qnext serve --nnodes N --node-rank R --dist-init-addr HOST:PORT`: one engine over N processes.
 
 Every rank loads the same model, tensor parallel over all ranks' devices (tensor_parallel_size defaults to that
-count), and warms up the same step shapes in the same order. Rank 0 serves HTTP (RankGate in front of the usual
-app) and drives the engine through ServedLockstepEngine; the other ranks follow its broadcasts until it shuts down.
-Each follower also heartbeats to rank 0 on PORT + 1 (rank_heartbeat.py), so a rank that exits or hangs turns into
-503s with the reason within --dist-timeout seconds (at once when it exits: the collectives fail), and a rank that
-never joins does the same once --dist-timeout has passed. SIGTERM on rank 0 drains, then stops every rank."""
+count), and warms up the same step shapes in the same order; the ranks start serving together, once every one has
+warmed up (a barrier, --dist-start-timeout), whatever each one's compilation cache held. Rank 0 serves HTTP
+(RankGate in front of the usual app) and drives the engine through ServedLockstepEngine; the other ranks follow its
+broadcasts until it shuts down. Each follower first passes a handshake on rank 0's PORT + 1 (rank_handshake.py: the
+cluster secret, its rank, the checkpoint's identity, the engine options; a stranger or a rank with another
+checkpoint is refused and changes nothing) and then heartbeats there (rank_heartbeat.py), so a rank that exits or
+hangs turns into 503s with the reason within --dist-timeout seconds (at once when it exits: the collectives fail),
+and a rank that never joins does the same once --dist-timeout has passed. SIGTERM on rank 0 drains, then stops
+every rank. Ranks beyond the loopback need --cluster-secret-file (docs/security-ranks.md)."""
 from __future__ import annotations
 
 import argparse
 import logging
 import threading
 
-from qnext.distributed.multiprocess import add_distributed_flags, distributed_config, initialize
+from qnext.distributed.cluster_secret import ClusterSecret, load_cluster_secret, require_secret_beyond_loopback
+from qnext.distributed.multiprocess import (RanksNotReadyError, add_distributed_flags, distributed_config, initialize,
+                                            wait_for_every_rank)
+from qnext.distributed.rank_handshake import HandshakeRefused, RankCredentials
 from qnext.distributed.rank_heartbeat import HeartbeatSender, RankMonitor, heartbeat_address
-from qnext.distributed.served_lockstep import RanksDownError, ServedLockstepEngine
+from qnext.distributed.served_lockstep import RanksDivergedError, RanksDownError, ServedLockstepEngine
 
 logger = logging.getLogger("qnext.server")
 
@@ -28,6 +35,17 @@ def add_multinode_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dist-timeout", type=float, default=60.0,
                    help="seconds for every rank to join, and the longest a rank may be silent before rank 0 "
                         "answers 503")
+    g.add_argument("--dist-start-timeout", type=float, default=3600.0,
+                   help="seconds every rank may take to load and warm up; the ranks start serving together once "
+                        "all have, and give up (naming the barrier) after this")
+
+
+def rank_secret(args) -> ClusterSecret | None:
+    """The cluster secret the ranks' handshake uses; ValueError when it cannot be read, or when --dist-init-addr is
+    beyond the loopback and there is none."""
+    secret = load_cluster_secret(args.cluster_secret_file)
+    require_secret_beyond_loopback(secret, [args.dist_init_addr.rpartition(":")[0]], "--dist-init-addr")
+    return secret
 
 
 def build_lockstep_engine(model, engine_options: dict, args, monitor=None) -> ServedLockstepEngine:
@@ -43,19 +61,29 @@ def build_lockstep_engine(model, engine_options: dict, args, monitor=None) -> Se
     logger.info("rank %d of %d joined; %d devices in all; loading %s", args.node_rank, args.nnodes,
                 jax.device_count(), model)
     engine = qnext.LLM(model, progress=logger.info, **options).engine
+    # the warm-up runs steps, whose collectives would wait on a rank still loading: start it together
+    wait_for_every_rank("loaded", args.dist_start_timeout)
     if not args.no_warm_up:
         warm_up_with_progress(engine)
+    logger.info("rank %d is ready; waiting for every rank to be", args.node_rank)
+    wait_for_every_rank("warmed up", args.dist_start_timeout)
     return ServedLockstepEngine(engine, monitor, keepalive_s=KEEPALIVE_S)
 
 
-def follow(model, engine_options: dict, args) -> int:
-    """A rank > 0: heartbeat to rank 0, join, load, then step as rank 0 says until it shuts down."""
-    sender = HeartbeatSender(heartbeat_address(args.dist_init_addr), args.node_rank,
-                             connect_timeout_s=args.dist_timeout)
+def follow(model, engine_options: dict, args, secret: ClusterSecret | None) -> int:
+    """A rank > 0: handshake and heartbeat to rank 0, join, load, then step as rank 0 says until it shuts down.
+    Exit status 2 when rank 0 refuses this rank (its reason logged), 1 when the engine fails."""
+    try:
+        credentials = RankCredentials.of(model, engine_options, secret)
+        sender = HeartbeatSender(heartbeat_address(args.dist_init_addr), args.node_rank, credentials,
+                                 connect_timeout_s=args.dist_timeout)
+    except (HandshakeRefused, TimeoutError, OSError) as e:
+        logger.error("rank %d cannot join: %s", args.node_rank, e)
+        return 2
     try:
         engine = build_lockstep_engine(model, engine_options, args)
         steps = engine.follow()
-    except RanksDownError as e:
+    except (RanksDownError, RanksDivergedError, RanksNotReadyError) as e:
         logger.error("rank %d stops: %s", args.node_rank, e)
         sender.stop()
         return 1
@@ -83,13 +111,14 @@ def watch_ranks(monitor, async_engine, every_s: float = 0.5) -> None:
         time.sleep(every_s)
 
 
-def lead(model, engine_options: dict, args, names: list[str]):
+def lead(model, engine_options: dict, args, names: list[str], secret: ClusterSecret | None):
     """Rank 0: the gate (serving 503s at once) and a thread that joins the ranks and opens it -> the ASGI app."""
     from qnext.server.app import build_app, build_async_engine
     from qnext.server.media_flags import media_limits
     from qnext.server.rank_gate import RankGate, RanksCollector
 
-    monitor = RankMonitor(args.nnodes, heartbeat_address(args.dist_init_addr), timeout_s=args.dist_timeout)
+    monitor = RankMonitor(args.nnodes, heartbeat_address(args.dist_init_addr), timeout_s=args.dist_timeout,
+                          credentials=RankCredentials.of(model, engine_options, secret))
     gate = RankGate(monitor, args.nnodes, shutdown_timeout=args.shutdown_timeout)
 
     def start() -> None:
@@ -98,7 +127,8 @@ def lead(model, engine_options: dict, args, names: list[str]):
             gate.fail(monitor.failure() or
                       f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of {args.nnodes} did "
                       f"not join within {args.dist_timeout:g} s (--dist-timeout): start every rank with the same "
-                      f"--nnodes and --dist-init-addr {args.dist_init_addr}, then restart rank 0")
+                      f"--nnodes and --dist-init-addr {args.dist_init_addr}, then restart rank 0"
+                      + (f" (last refusal: {monitor.last_refusal})" if monitor.last_refusal else ""))
             return
         try:
             engine = build_lockstep_engine(model, engine_options, args, monitor)

@@ -67,10 +67,11 @@ class RankGate:
         if lost is not None:
             return f"the engine lost a rank: {lost}"
         if self.app is None:
-            missing = self.monitor.missing()
+            missing, refusal = self.monitor.missing(), self.monitor.last_refusal
             return (f"starting: {self.monitor.ranks_up} of {self.nnodes} ranks up"
                     + (f" (waiting for rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))})"
-                       if missing else " (joining, loading the model)"))
+                       if missing else " (joining, loading and warming up the model)")
+                    + (f"; {refusal}" if missing and refusal else ""))
         if not self.async_engine.is_running:
             fatal = self.async_engine.fatal_error
             return f"the engine loop stopped: {fatal}" if fatal is not None else "the engine loop stopped"

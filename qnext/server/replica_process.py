@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
-import os
 import threading
 import time
 import types
 
 from qnext.server.engine_loop import EngineSnapshot, EngineStepError, EngineStoppedError, QueueFullError
+from qnext.server.replica_devices import ReplicaDevices
 from qnext.server.request_stream import RequestStream
 
 logger = logging.getLogger("qnext.server")
@@ -28,30 +28,18 @@ class ReplicaDownError(EngineStoppedError):
     """The replica's process exited; its requests failed and the others serve on."""
 
 
-def replica_env(index: int, devices_per_replica: int) -> dict:
-    """Replica `index`'s devices: on CPU its own `devices_per_replica` XLA host devices; on GPU the slice
-    [index * n, (index + 1) * n) of the GPUs this process may see (CUDA_VISIBLE_DEVICES)."""
-    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                     if not f.startswith("--xla_force_host_platform_device_count"))
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    gpus = visible.split(",") if visible else [str(i) for i in range(64)]
-    env = {"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices_per_replica}".strip(),
-           "CUDA_VISIBLE_DEVICES": ",".join(gpus[index * devices_per_replica:(index + 1) * devices_per_replica])}
-    return env
-
-
 class ProcessReplica:
-    def __init__(self, index: int, model: str, engine_options: dict, *, max_waiting_requests: int, warm_up: bool,
-                 log_level: str = "info"):
+    def __init__(self, devices: ReplicaDevices, model: str, engine_options: dict, *, max_waiting_requests: int,
+                 warm_up: bool, log_level: str = "info"):
+        """devices: the replica's assignment (replica_devices.assign_replica_devices); it refuses to start on others."""
         from qnext.server.replica_worker import run_replica
 
-        self.index, self.max_waiting_requests = index, max_waiting_requests
+        self.index, self.devices, self.max_waiting_requests = devices.index, devices, max_waiting_requests
         self.observer = None                       # set by the router (metrics + its prefix table)
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
-        env = replica_env(index, engine_options.get("tensor_parallel_size") or 1)
-        self.process = context.Process(target=run_replica, name=f"qnext-replica-{index}", daemon=True,
-                                       args=(child, index, str(model), engine_options, env, warm_up, log_level))
+        self.process = context.Process(target=run_replica, name=f"qnext-replica-{self.index}", daemon=True,
+                                       args=(child, devices, str(model), engine_options, warm_up, log_level))
         self.process.start()
         child.close()
         self.info: dict = {}
@@ -61,7 +49,7 @@ class ProcessReplica:
         self._snapshot = EngineSnapshot()
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
-        self._reader = threading.Thread(target=self._read, name=f"qnext-replica-{index}-reader", daemon=True)
+        self._reader = threading.Thread(target=self._read, name=f"qnext-replica-{self.index}-reader", daemon=True)
 
     # ---- start and stop ------------------------------------------------------------------------------------------
     def wait_ready(self, timeout: float) -> dict:
@@ -73,8 +61,12 @@ class ProcessReplica:
                                  "while loading (its log lines above say why)")
             if time.monotonic() > deadline:
                 raise ValueError(f"data parallel replica {self.index} was not ready within {timeout:.0f} s")
-        kind, self.info = self._conn.recv()
+        kind, info = self._conn.recv()
+        if kind == "refused":                      # it found other devices than it was given
+            raise ValueError(info)
         assert kind == "ready", kind
+        self.devices.check(info["platform"], info["device_count"])
+        self.info = info
         return self.info
 
     def start(self) -> None:

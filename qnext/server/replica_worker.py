@@ -1,8 +1,10 @@
 """A data parallel replica's own process (`qnext serve --data-parallel-size N`, the process backend): one engine on
 its own devices, driven by the usual AsyncEngine, talking to the HTTP process over a pipe.
 
-Messages in (pickled tuples): ("add", request_id, prompt, params), ("abort", request_id), ("stop",).
-Messages out: ("ready", info), ("admitted", request_id), ("rejected", request_id, kind, message),
+Messages in (tuples, pickled by multiprocessing over a pipe between this host's processes, never over a network):
+("add", request_id, prompt, params), ("abort", request_id), ("stop",).
+Messages out: ("refused", message) instead of "ready" when JAX gave it other devices than assigned
+(replica_devices.py), ("ready", info), ("admitted", request_id), ("rejected", request_id, kind, message),
 ("delta", request_id, StreamDelta), ("failed", request_id, kind, message), ("snapshot", EngineSnapshot).
 `kind` names the engine-loop error class (QueueFullError, EngineStoppedError, EngineStepError, ValueError), so the
 HTTP process raises the same error and answers the same status as with the engine in-process."""
@@ -16,12 +18,21 @@ import threading
 SNAPSHOT_EVERY_S = 0.2
 
 
-def run_replica(conn, index: int, model: str, engine_options: dict, env: dict, warm_up: bool,
-                log_level: str) -> None:
-    """The process's target. `env` (device selection: XLA_FLAGS, CUDA_VISIBLE_DEVICES) is applied before JAX starts."""
-    os.environ.update(env)
+def run_replica(conn, devices, model: str, engine_options: dict, warm_up: bool, log_level: str) -> None:
+    """The process's target. `devices` (a ReplicaDevices): its env is applied before JAX starts, and the replica
+    refuses to start ("refused", exit 2) on other devices than it names."""
+    from qnext.server.replica_devices import check_replica_devices
+
+    os.environ.update(devices.env)
     logging.basicConfig(level=log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s replica {index} %(name)s: %(message)s")
+                        format=f"%(asctime)s %(levelname)s replica {devices.index} %(name)s: %(message)s")
+    try:
+        check_replica_devices(devices)
+    except ValueError as e:
+        logging.getLogger("qnext.server").error("%s", e)
+        _send(conn, ("refused", str(e)))
+        conn.close()
+        raise SystemExit(2) from None
     try:
         asyncio.run(_serve(conn, model, engine_options, warm_up))
     except (EOFError, OSError):           # the HTTP process went away: nothing left to serve
@@ -41,7 +52,10 @@ async def _serve(conn, model: str, engine_options: dict, warm_up: bool) -> None:
     # the HTTP process bounds the waiting requests (it sees every replica); here any number may wait
     async_engine = AsyncEngine(engine, max_waiting_requests=1 << 30, usage_of=cache_usage)
     async_engine.start()
-    conn.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.model_config.vocab_size,
+    import jax
+
+    conn.send(("ready", {"platform": jax.devices()[0].platform, "device_count": jax.device_count(),
+                         "max_model_len": engine.max_model_len, "vocab_size": engine.model_config.vocab_size,
                          "block_size": engine.config.block_size, "num_blocks": engine.cache_sizes.num_blocks,
                          "pid": os.getpid(), "vision": engine.vision is not None}))
     loop = asyncio.get_running_loop()

@@ -1,5 +1,5 @@
 """Rank 0's view of the other ranks, without JAX (qnext/distributed/rank_heartbeat.py, qnext/server/rank_gate.py,
-qnext/server/multinode.watch_ranks): followers counted from their first heartbeat, a silent follower down after the
+qnext/server/multinode.watch_ranks): followers counted from their handshake, a silent follower down after the
 timeout and a closed one at once, the gate's 503s saying why, and requests in flight failed even when the engine
 thread is stuck in a step that waits for the lost rank (a hung follower)."""
 from __future__ import annotations
@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from qnext.distributed.rank_handshake import RankCredentials, introduce
 from qnext.distributed.rank_heartbeat import RankMonitor
 from qnext.server.engine_loop import AsyncEngine, EngineStoppedError
 from qnext.server.launch import free_port
@@ -20,9 +21,13 @@ from qnext.server.multinode import watch_ranks
 from qnext.server.rank_gate import RankGate
 
 
-def follower_socket(port: int, rank: int) -> socket.socket:
+CREDENTIALS = RankCredentials(identity="ckpt-a", options={"max_num_seqs": 4}, secret=None)
+
+
+def follower_socket(port: int, rank: int, credentials: RankCredentials = CREDENTIALS) -> socket.socket:
+    """A follower's heartbeat connection, past the handshake."""
     s = socket.create_connection(("127.0.0.1", port), timeout=5)
-    s.sendall(f"{rank}\n".encode())
+    introduce(s, rank, credentials)
     return s
 
 
@@ -36,7 +41,7 @@ def wait_for(condition, timeout: float = 5.0) -> float:
 
 def test_the_monitor_counts_followers_and_finds_silent_and_closed_ones():
     port = free_port()
-    monitor = RankMonitor(3, ("127.0.0.1", port), timeout_s=0.6)
+    monitor = RankMonitor(3, ("127.0.0.1", port), timeout_s=0.6, credentials=CREDENTIALS)
     try:
         assert monitor.ranks_up == 1 and monitor.missing() == [1, 2] and monitor.failure() is None
         assert monitor.wait_for_all(0.2) == [1, 2]
@@ -97,7 +102,7 @@ class StuckEngine:
 
 def test_a_hung_rank_fails_the_requests_in_flight_and_the_gate_answers_503():
     port = free_port()
-    monitor = RankMonitor(2, ("127.0.0.1", port), timeout_s=0.5)
+    monitor = RankMonitor(2, ("127.0.0.1", port), timeout_s=0.5, credentials=CREDENTIALS)
     engine = StuckEngine()
     async_engine = AsyncEngine(engine, max_waiting_requests=4)
     gate = RankGate(monitor, 2)

@@ -6,6 +6,7 @@ one engine tensor parallel over the four, rank 0 serving HTTP.
 - the follower killed mid-request: the running request and every later one get 503 naming the lost rank within
   BOUND_S seconds, and /health and /metrics count one rank up;
 - a rank that never joins: 503 with the reason once --dist-timeout has passed, no hang;
+- a rank started with another checkpoint: refused at its handshake (exit 2, both digests named), rank 0 says why;
 - SIGTERM on rank 0 stops both ranks (exit 0).
 Processes: one pair for the module (the kill ends it), one lone rank 0, one idle pair for SIGTERM; every wait is
 bounded and every process stopped however a test ends. Prefix caching is off: fewer step shapes to compile."""
@@ -89,6 +90,25 @@ def test_a_rank_that_never_joins_gives_503_with_the_reason(checkpoint, tmp_path)
                              json={"model": MODEL, "messages": MESSAGES, "max_tokens": 4})
         assert refused.status_code == 503 and "did not join" in refused.json()["error"]["message"]
     finally:
+        assert rank0.stop(timeout=30) == 0, rank0.log_tail()
+
+
+def test_a_rank_with_another_checkpoint_is_refused_at_start(checkpoint, tmp_path):
+    other = write_tiny_checkpoint(tmp_path / "other", "qwen3_5", seed=2, tokenizer="qwen3.5",
+                                  max_position_embeddings=512)
+    address = f"127.0.0.1:{free_port_pair()}"
+    rank0 = ServerProcess(serve_args(checkpoint, "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", address,
+                                     "--dist-timeout", "120"), log_path=tmp_path / "rank0.log", env=ENV)
+    rank1 = ServerProcess(serve_args(other, "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", address,
+                                     "--dist-timeout", "120"), log_path=tmp_path / "rank1.log", env=ENV)
+    try:
+        assert rank1.proc.wait(timeout=120) == 2, rank1.log_tail()
+        assert "rank 1 loaded a different checkpoint: its identity is " in rank1.log_tail()
+        assert "rank 0's is " in rank1.log_tail()
+        body = wait_for_503(rank0.base_url, "different checkpoint", timeout=30)
+        assert body["ranks_up"] == 1 and "waiting for rank 1" in body["message"]
+    finally:
+        rank1.stop(timeout=30)
         assert rank0.stop(timeout=30) == 0, rank0.log_tail()
 
 
