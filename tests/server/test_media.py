@@ -143,3 +143,22 @@ def test_chats_with_pictures_run_on_a_media_pool_that_cannot_starve_text(monkeyp
     asyncio.run(run())
     assert sorted(threads) == [(False, False), (True, True), (True, True), (True, True)]
     admission.media_pool.shutdown()
+
+
+def test_the_media_flags_make_the_limits_and_a_bad_one_is_refused_before_loading(tmp_path, caplog):
+    from qnext.server.cli import build_parser, main
+    from qnext.server.media_flags import media_limits
+
+    parse = build_parser()[0].parse_args
+    limits = media_limits(parse(["serve", "--max-request-pixels", "1000", "--media-workers", "2", "--allow-media-urls",
+                                 "--media-fetch-timeout", "2.5", "--media-url-allow", "10.1.0.0/16",
+                                 "--media-url-allow", "pics.internal"]))
+    assert (limits.max_request_pixels, limits.workers, limits.allow_urls, limits.fetch_timeout_s, limits.url_allow) \
+        == (1000, 2, True, 2.5, ("10.1.0.0/16", "pics.internal"))
+    defaults = media_limits(parse(["serve"]))
+    assert (defaults.allow_urls, defaults.url_allow, defaults.fetch_timeout_s) == (False, (), 10.0)
+    with pytest.raises(ValueError, match="--media-workers must be positive, got 0"):
+        media_limits(parse(["serve", "--media-workers", "0"]))
+    # refused before the checkpoint is read (this directory holds none): the error names the flag's entry
+    assert main(["serve", str(tmp_path), "--media-url-allow", "http://x"]) == 2
+    assert "--media-url-allow entry 'http://x' is neither a host name nor an IP network" in caplog.text
