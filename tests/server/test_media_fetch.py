@@ -127,12 +127,14 @@ def resolve_to(monkeypatch, *addresses: str) -> list:
     return calls
 
 
-@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
-def test_a_picture_server_on_loopback_is_refused_without_a_connection(server, no_connect, host):
+@pytest.mark.parametrize("url, address", [("http://127.0.0.1:{port}/pic.png", r"127\.0\.0\.1"),
+                                          ("http://localhost:{port}/pic.png", r"127\.0\.0\.1"),
+                                          ("https://[::1]:{port}/pic.png", "::1")])
+def test_a_picture_server_on_loopback_is_refused_without_a_connection(server, no_connect, url, address):
     before = server.connections
-    with pytest.raises(MediaError, match=r"resolves to 127\.0\.0\.1, a loopback address; this server fetches media "
+    with pytest.raises(MediaError, match=rf"resolves to {address}, a loopback address; this server fetches media "
                                          "from public addresses only .*--media-url-allow") as e:
-        fetch(f"http://{host}:{server.server_port}/pic.png")
+        fetch(url.format(port=server.server_port))
     assert e.value.where == "m.0"
     assert server.connections == before
 
@@ -186,6 +188,13 @@ def test_a_named_host_never_reaches_a_metadata_address(monkeypatch, no_connect):
         fetch("http://pics.internal/pic.png", MediaLimits(allow_urls=True, url_allow=("pics.internal",)))
     with pytest.raises(ValueError, match="--media-url-allow entry 'http://x' is neither a host name nor"):
         MediaLimits(url_allow=("http://x",))
+
+
+def test_https_speaks_tls_to_the_checked_address(server):
+    before = server.connections
+    with pytest.raises(MediaError, match=r"fetching 'https://127\.0\.0\.1:\d+/pic\.png' failed: .*SSL"):
+        fetch(f"https://127.0.0.1:{server.server_port}/pic.png", LOCAL)        # the test server speaks plain http
+    assert server.connections == before + 1
 
 
 def test_redirects_are_not_followed(server):
