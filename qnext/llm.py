@@ -62,14 +62,16 @@ class LLM:
         return llm
 
     def update_weights(self, model) -> None:
-        """Copies the Flax model's current weights into the engine in place (no recompilation) and drops the
-        whole prefix cache (its KV and snapshots came from the old weights). Raises with requests in flight."""
-        from qnext.flax import HybridCausalLM, engine_params
+        """Copies the Flax model's current weights into the engine in place (no recompilation), its vision tower's
+        too when both have one, and drops the whole prefix cache (its KV and snapshots came from the old weights)
+        and the tower's cached outputs. Raises with requests in flight."""
+        from qnext.flax import HybridCausalLM, engine_params, vision_params
 
         if not isinstance(model, HybridCausalLM):
             raise TypeError(f"update_weights takes a qnext.flax.HybridCausalLM, got {type(model).__name__}; "
                             "for a params pytree use llm.engine.update_weights(params)")
-        self.engine.update_weights(engine_params(model)[1])
+        tower = vision_params(model) if self.engine.vision is not None else None
+        self.engine.update_weights(engine_params(model)[1], vision_params=tower)
 
     def cache_info(self) -> dict:
         """The cache's split (LLMEngine.cache_info): blocks, KV bytes, live and snapshot rows, state bytes, budget."""

@@ -45,6 +45,7 @@ from qnext.model.loader import checkpoint_files
 from qnext.model.mtp import MTP_FILE
 from qnext.model.placement import WeightUpdate, place_mtp_params, place_params
 from qnext.model.tensor_parallel import make_mesh, parallel_config
+from qnext.model.vision_weights import replaced_vision_params
 from qnext.outputs import RequestOutput
 from qnext.sampling_params import SamplingParams
 from qnext.structured import GrammarCompiler
@@ -104,14 +105,24 @@ class LLMEngine(PrefillDecodeEnds):
         engine._weight_update.prepare(placed, params if config.tensor_parallel_size == 1 else None)
         return engine
 
-    def update_weights(self, params) -> None:
+    def update_weights(self, params, vision_params=None) -> None:
         """Copies new weights (same structure and shapes; any float dtype, cast) into the engine's weight buffers
         in place (donated; nothing compiles) and drops the whole prefix cache, KV blocks and snapshots alike: both
-        were computed with the old weights. Requests must not be in flight."""
+        were computed with the old weights. vision_params: the tower's new weights (qnext/vision/tower.py's pytree,
+        e.g. qnext.flax.vision_params(model)), None to keep its own; either way the tower's cached outputs are
+        dropped. Requests must not be in flight."""
         if self.has_unfinished_requests():
             raise RuntimeError(f"update_weights with {self.num_running} running and {self.num_waiting} waiting "
                                "requests: their KV and states come from the old weights; finish or abort them first")
+        if vision_params is not None and self.vision is None:
+            raise ValueError("update_weights got vision_params, but this engine has no vision tower (a text-only "
+                             "checkpoint, or an engine from in-memory weights); drop vision_params")
+        tower = None if vision_params is None else replaced_vision_params(self.vision.params, vision_params)
         self.runner.params = self._weight_update(self.runner.params, params)
+        if tower is not None:
+            self.vision = dataclasses.replace(self.vision, params=tower)
+        if self.visual_encoder is not None:
+            self.visual_encoder.use_weights(self.vision)
         self.cache.manager.clear_prefix_cache()
         self._weights_digest = None          # a persisted cache is bound to the new weights (digest at close)
         self._checkpoint_files = self._model_identity = None

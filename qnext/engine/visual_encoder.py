@@ -46,6 +46,11 @@ class VisualEncoder:
         self.stats = stats
         self._encode = make_encode(setup.config)
 
+    def use_weights(self, setup: VisionSetup) -> None:
+        """The tower's weights from now on (update_weights); every cached output came from the old ones: dropped."""
+        self.setup = setup
+        self.cache.clear()
+
     def embeddings(self, item: VisualInput):
         """[num_tokens, text hidden] tower output of one picture: from the encoder cache, or the tower now."""
         key = bytes.fromhex(item.content_hash)

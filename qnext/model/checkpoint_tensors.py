@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from qnext.config import read_json
-from qnext.model.fp8_blocks import Fp8Scheme, dequantize, quantization_problem, scale_name
+from qnext.model.fp8_blocks import Fp8Scheme, bad_scales, dequantize, quantization_problem, scale_name
 from qnext.model.safetensors_fp8 import FLOAT8_DTYPES, Float8File
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -119,12 +119,17 @@ class Tensors:
         return None if self._fp8 is None else self._fp8.block_size
 
     def read_fp8(self, name: str) -> tuple[np.ndarray, np.ndarray]:
-        """An fp8 tensor as stored: (e4m3 values, float32 block scales)."""
+        """An fp8 tensor as stored: (e4m3 values, float32 block scales); CheckpointError naming the scale when one
+        is NaN, zero, negative or infinite."""
         handle, original, file = self._where[name]
         if file not in self._float8_files:
             self._float8_files[file] = Float8File(self._path / file)
-        s_handle, s_original, _ = self._where[scale_name(name)]
-        return self._float8_files[file].read(original), s_handle.get_tensor(s_original).astype(np.float32)
+        s_handle, s_original, s_file = self._where[scale_name(name)]
+        scales = s_handle.get_tensor(s_original).astype(np.float32)
+        problem = bad_scales(scales)
+        if problem:
+            raise CheckpointError(f"block scale {s_original!r} in {s_file} of fp8 tensor {original!r} {problem}")
+        return self._float8_files[file].read(original), scales
 
     def check_all_used(self) -> None:
         unused = [n for n in self._where if n not in self._used]

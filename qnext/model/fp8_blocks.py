@@ -102,6 +102,17 @@ def quantization_problem(scheme: Fp8Scheme | None, name: str, shape: tuple[int, 
     return None
 
 
+def bad_scales(scale_inv: np.ndarray) -> str | None:
+    """What is wrong with block scales (completing "its block scale X ..."), or None: each must be finite and
+    positive, or the weight it multiplies is NaN, zero, negated or infinite."""
+    bad = ~(np.isfinite(scale_inv) & (scale_inv > 0))
+    if not bad.any():
+        return None
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    return (f"has {int(bad.sum())} of {bad.size} values that are not finite and positive (e.g. "
+            f"{float(scale_inv[where])} at block {list(where)}); re-export the checkpoint")
+
+
 def expand_scales(scale_inv: np.ndarray, shape: tuple[int, ...], block_size: tuple[int, int]) -> np.ndarray:
     """[..., rb, cb] block scales -> [..., rows, cols], each block's scale repeated over it (edge blocks cut)."""
     rows, cols = shape[-2:]

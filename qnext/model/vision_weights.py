@@ -107,6 +107,21 @@ def vision_params_from_tensors(arrays: dict[str, np.ndarray], cfg: VisionConfig,
     return params
 
 
+def replaced_vision_params(placed: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """New tower weights (the same structure and shapes as `placed`; any float dtype) cast to `placed`'s dtypes and
+    put where `placed` lies; ValueError saying what differs."""
+    import jax
+
+    if jax.tree.structure(placed) != jax.tree.structure(new):
+        raise ValueError(f"the new vision tower params have structure {jax.tree.structure(new)}; the engine's tower "
+                         f"has {jax.tree.structure(placed)} (qnext.flax.vision_params gives it)")
+    for (path, old), leaf in zip(jax.tree_util.tree_leaves_with_path(placed), jax.tree.leaves(new)):
+        if tuple(np.shape(leaf)) != tuple(old.shape):
+            raise ValueError(f"the new vision tower param {jax.tree_util.keystr(path)} has shape "
+                             f"{tuple(np.shape(leaf))}; the engine's tower has {tuple(old.shape)}")
+    return jax.tree.map(lambda old, leaf: jax.device_put(jax.numpy.asarray(leaf, old.dtype), old.sharding), placed, new)
+
+
 def _visual_tensor_files(path: Path) -> list[Path]:
     from safetensors import safe_open
 

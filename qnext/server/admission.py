@@ -11,6 +11,7 @@ max_tokens past max_model_len is a 400. Either way a prompt that leaves no room 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import uuid
 from typing import Sequence
 
@@ -22,7 +23,7 @@ from qnext.server.errors import APIError, bad_request, engine_error
 from qnext.server.pd_serving import PD_REQUEST
 from qnext.server.prompt_bound import PromptBound
 from qnext.server.request_stream import RequestStream
-from qnext.vision.media import MediaLimits
+from qnext.vision.media import MediaLimits, has_media
 
 
 def new_request_id(prefix: str) -> str:
@@ -44,7 +45,11 @@ class Admission:
         self.translator = ChatTranslator(self.tokenizer, tool_call_parser=tool_call_parser,
                                          reasoning_parser=reasoning_parser,
                                          check_structured=getattr(engine, "validate_structured_outputs", None),
-                                         vision=getattr(engine, "vision", None), media_limits=media_limits)
+                                         vision=getattr(engine, "vision", None), media_limits=media_limits,
+                                         max_model_len=self.max_model_len)
+        # chats with pictures are translated here, so that they never hold up tokenization's threads
+        self.media_pool = concurrent.futures.ThreadPoolExecutor(media_limits.workers,
+                                                                thread_name_prefix="qnext-media")
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
@@ -54,8 +59,11 @@ class Admission:
 
     async def chat(self, inputs: ChatInputs, params: SamplingParams) -> ChatRequest:
         """The prompt, constraint and parsers of a chat (messages whose text alone cannot fit are refused before
-        the template renders them)."""
+        the template renders them); a chat with pictures is translated on the media pool."""
         self.prompt_bound.check_messages(inputs.messages)
+        if has_media(inputs.messages):
+            return await asyncio.get_running_loop().run_in_executor(self.media_pool, self.translator.translate,
+                                                                    inputs, params)
         return await asyncio.to_thread(self.translator.translate, inputs, params)
 
     async def encode(self, text: str) -> list[int]:

@@ -70,11 +70,12 @@ class ChatRequest:
 class ChatTranslator:
     """One per served checkpoint. tool_call_parser / reasoning_parser: names, or None for the defaults read from
     the chat template ("none" turns one off). check_structured(params): the engine's check of a constraint
-    (ValueError naming the problem), or None to leave it to admission."""
+    (ValueError naming the problem), or None to leave it to admission. max_model_len: a prompt whose pictures
+    cannot fit it is refused before they are decoded (server/pictures.py; None: left to admission)."""
 
     def __init__(self, tokenizer, *, tool_call_parser: str | None = None, reasoning_parser: str | None = None,
                  check_structured: Callable[[SamplingParams], None] | None = None, vision=None,
-                 media_limits: MediaLimits = MediaLimits()):
+                 media_limits: MediaLimits = MediaLimits(), max_model_len: int | None = None):
         template = tokenizer.chat_template if tokenizer is not None else None
         if tool_call_parser not in (None, "none", *TOOL_PARSERS):
             raise ValueError(f"unknown tool-call parser {tool_call_parser!r}; known: {sorted(TOOL_PARSERS)}")
@@ -89,7 +90,8 @@ class ChatTranslator:
             self.reasoning_parser = None
         self.think_end_id = tokenizer.token_to_id(THINK_END) if tokenizer is not None else None
         self._check_structured = check_structured
-        self.pictures = PictureInputs(vision, media_limits)
+        self.pictures = PictureInputs(vision, media_limits, self.count_tokens if tokenizer is not None else None,
+                                      max_model_len)
 
     def translate(self, inputs: ChatInputs, params: SamplingParams) -> ChatRequest:
         tools = check_tools(inputs.tools)
@@ -144,6 +146,9 @@ class ChatTranslator:
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.encode(text))
 
 
 # ---- checks ----------------------------------------------------------------------------------------------------------

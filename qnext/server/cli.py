@@ -193,6 +193,7 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
         from qnext.server.pd_serving import prefill_url_allow_list
 
         prefill_url_allow_list(args.pd_role, args.pd_prefill_url)     # before the model loads: minutes
+        pictures = media_limits(args)                                  # the same: a bad media flag is a ValueError
         if args.data_parallel_size > 1:
             from qnext.server.data_parallel import build_replicas
 
@@ -209,7 +210,7 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
     app = build_app(engine, model_name=names[0], aliases=names[1:], max_waiting_requests=args.max_waiting_requests,
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                     api_key=args.api_key, max_request_bytes=args.max_request_bytes, async_engine=async_engine,
-                    metrics=metrics, media_limits=media_limits(args), pd_role=args.pd_role,
+                    metrics=metrics, media_limits=pictures, pd_role=args.pd_role,
                     pd_transfer_host=args.pd_transfer_host, pd_prefill_urls=args.pd_prefill_url)
     return run_uvicorn(app, args)
 

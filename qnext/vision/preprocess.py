@@ -33,8 +33,22 @@ class VisualInput:
     pixel_values: np.ndarray            # [num_patches, C * temporal_patch * patch * patch] float32
     grid_thw: tuple[int, int, int]      # patches along time (temporal patches), height, width
     num_tokens: int                     # prompt pad tokens: t * h * w / merge^2 (per frame group: h * w / merge^2)
-    content_hash: str                   # SHA-256 hex of the decoded pixels and every processing parameter
     timestamps: tuple[float, ...] = ()  # videos: seconds per temporal patch, as the template prints them
+    # SHA-256 hex of what the tower reads (kind, grid, timestamps, pixel_values' float32 bytes), computed here and
+    # never taken from the caller: the prefix and encoder caches key on it, so it must be the pixels' own
+    content_hash: str = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        if self.kind not in ("image", "video"):
+            raise ValueError(f"a visual input's kind is 'image' or 'video', got {self.kind!r}")
+        pixels = np.ascontiguousarray(self.pixel_values, dtype=np.float32)
+        object.__setattr__(self, "grid_thw", tuple(int(n) for n in self.grid_thw))
+        t, h, w = self.grid_thw
+        if pixels.ndim != 2 or pixels.shape[0] != t * h * w:
+            raise ValueError(f"pixel_values has shape {list(np.shape(self.pixel_values))}; grid_thw {self.grid_thw} "
+                             f"needs {t * h * w} rows (one per patch)")
+        object.__setattr__(self, "pixel_values", pixels)
+        object.__setattr__(self, "content_hash", _content_hash(self.kind, self.grid_thw, self.timestamps, pixels))
 
     @property
     def tokens_per_frame(self) -> int:
@@ -68,6 +82,27 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
+def image_grid(height: int, width: int, cfg: VisionPreprocessConfig = DEFAULT_IMAGE_CONFIG) -> tuple[int, int, int]:
+    """The patch grid (t, h, w) an image of this size becomes: known from its header, before any decoding."""
+    h, w = smart_resize(height, width, cfg.resize_factor, cfg.min_pixels, cfg.max_pixels)
+    return 1, h // cfg.patch_size, w // cfg.patch_size
+
+
+def video_grid(num_frames: int, height: int, width: int, cfg: VisionPreprocessConfig = DEFAULT_VIDEO_CONFIG
+               ) -> tuple[int, int, int]:
+    """The patch grid (t, h, w) a clip of num_frames frames of this size becomes (frames padded to a multiple of
+    the temporal patch)."""
+    tp = cfg.temporal_patch_size
+    h, w = smart_resize(height, width, cfg.resize_factor, cfg.min_pixels, cfg.max_pixels,
+                        num_frames=max(num_frames, tp), temporal_factor=tp)
+    return -(-num_frames // tp), h // cfg.patch_size, w // cfg.patch_size
+
+
+def grid_tokens(grid: tuple[int, int, int], cfg: VisionPreprocessConfig) -> int:
+    """Prompt pad tokens of a grid: one per merged patch."""
+    return grid[0] * grid[1] * grid[2] // cfg.merge_size ** 2
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
     """RGB, with any transparency composited onto white (as transformers' convert_to_rgb)."""
     if "A" in image.getbands() or image.info.get("transparency") is not None:
@@ -78,13 +113,10 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 def preprocess_image(image: Image.Image, cfg: VisionPreprocessConfig = DEFAULT_IMAGE_CONFIG) -> VisualInput:
     rgb = to_rgb(image)
-    decoded = np.asarray(rgb)                                               # [H, W, 3] uint8
-    height, width = smart_resize(rgb.height, rgb.width, cfg.resize_factor, cfg.min_pixels, cfg.max_pixels)
-    frame = _normalize(_resize(rgb, height, width), cfg)                   # [3, h, w] float32
+    grid = image_grid(rgb.height, rgb.width, cfg)
+    frame = _normalize(_resize(rgb, grid[1] * cfg.patch_size, grid[2] * cfg.patch_size), cfg)   # [3, h, w] float32
     pixels = _patchify(np.broadcast_to(frame, (cfg.temporal_patch_size,) + frame.shape), cfg)
-    grid = (1, height // cfg.patch_size, width // cfg.patch_size)
-    digest = _content_hash("image", [decoded], cfg, ())
-    return VisualInput("image", pixels, grid, _num_tokens(grid, cfg), digest)
+    return VisualInput("image", pixels, grid, grid_tokens(grid, cfg))
 
 
 def preprocess_video(frames: Sequence[Image.Image], fps: float, cfg: VisionPreprocessConfig = DEFAULT_VIDEO_CONFIG,
@@ -102,18 +134,16 @@ def preprocess_video(frames: Sequence[Image.Image], fps: float, cfg: VisionPrepr
     if len({f.size for f in rgb}) != 1:
         raise ValueError(f"video frames differ in size: {sorted({f.size for f in rgb})}; resize them to one size")
     tp = cfg.temporal_patch_size
-    height, width = smart_resize(rgb[0].height, rgb[0].width, cfg.resize_factor, cfg.min_pixels, cfg.max_pixels,
-                                 num_frames=max(len(rgb), tp), temporal_factor=tp)
+    grid = video_grid(len(rgb), rgb[0].height, rgb[0].width, cfg)
+    height, width = grid[1] * cfg.patch_size, grid[2] * cfg.patch_size
     clip = np.stack([_normalize(_resize(f, height, width), cfg) for f in rgb])    # [T, 3, h, w]
     pad = -len(rgb) % tp
     if pad:
         clip = np.concatenate([clip, np.repeat(clip[-1:], pad, axis=0)])
         indices = indices + [indices[-1]] * pad
-    grid = (clip.shape[0] // tp, height // cfg.patch_size, width // cfg.patch_size)
     seconds = [i / fps for i in indices]
     timestamps = tuple((seconds[i] + seconds[i + tp - 1]) / 2 for i in range(0, len(seconds), tp))
-    digest = _content_hash("video", [np.asarray(f) for f in rgb], cfg, timestamps)
-    return VisualInput("video", _patchify(clip, cfg), grid, _num_tokens(grid, cfg), digest, timestamps)
+    return VisualInput("video", _patchify(clip, cfg), grid, grid_tokens(grid, cfg), timestamps)
 
 
 def sample_frame_indices(total_frames: int, source_fps: float, cfg: VisionPreprocessConfig = DEFAULT_VIDEO_CONFIG
@@ -149,17 +179,9 @@ def _patchify(clip: np.ndarray, cfg: VisionPreprocessConfig) -> np.ndarray:
     return np.ascontiguousarray(cubes.reshape(gt * gh * gw, c * tp * p * p), dtype=np.float32)
 
 
-def _num_tokens(grid: tuple[int, int, int], cfg: VisionPreprocessConfig) -> int:
-    return grid[0] * grid[1] * grid[2] // cfg.merge_size ** 2
-
-
-def _content_hash(kind: str, decoded: list[np.ndarray], cfg: VisionPreprocessConfig,
-                  timestamps: tuple[float, ...]) -> str:
-    """SHA-256 over the kind, the processing parameters, the timestamps, and each decoded frame's shape and
-    RGB bytes: equal exactly when the tower's input is equal (never a truncated hash)."""
-    h = hashlib.sha256()
-    h.update(f"{kind}\n{cfg.fingerprint()}\n{list(timestamps)!r}\n".encode())
-    for frame in decoded:
-        h.update(f"{frame.shape}".encode())
-        h.update(np.ascontiguousarray(frame, dtype=np.uint8).tobytes())
+def _content_hash(kind: str, grid: tuple[int, int, int], timestamps: tuple[float, ...], pixels: np.ndarray) -> str:
+    """SHA-256 over everything the tower's output and the pads' layout depend on: equal exactly when the tower's
+    input is equal (never a truncated hash). Two pictures that preprocess to the same arrays share it, rightly."""
+    h = hashlib.sha256(f"{kind}\n{tuple(grid)}\n{list(timestamps)!r}\n{pixels.shape}\n".encode())
+    h.update(memoryview(pixels).cast("B"))
     return h.hexdigest()

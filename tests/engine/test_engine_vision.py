@@ -10,6 +10,7 @@ import pytest
 import qnext
 from qnext import SamplingParams
 from qnext.testing.tiny_tokenizer import tiny_vision_token_ids
+from qnext.vision.preprocess import VisualInput, preprocess_image
 from tests.support.vision_checkpoint import data_url, picture, without_tower, write_vision_checkpoint
 
 BS = 16
@@ -135,6 +136,54 @@ def test_chat_with_a_picture_equals_generate_with_it_and_the_second_call_hits_th
     n = len(cold.prompt_token_ids)
     assert second.num_cached_tokens == (n - 1) // BS * BS and llm.engine.stats.num_tower_runs == runs + 1
     assert second.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
+def claiming(item: VisualInput, digest: str) -> VisualInput:
+    """`item` as a caller sends it claiming `digest` as its content hash (which VisualInput once took as given)."""
+    try:
+        return VisualInput(item.kind, item.pixel_values, item.grid_thw, item.num_tokens, content_hash=digest)
+    except TypeError:                                   # the hash is not the caller's to give
+        return VisualInput(item.kind, item.pixel_values, item.grid_thw, item.num_tokens)
+
+
+def test_two_pictures_claiming_one_content_hash_share_no_cache(llm, cold_split_llm):
+    cfg = llm.engine.vision.image_preprocess
+    first, second = (claiming(preprocess_image(picture(seed), cfg), "ab" * 32) for seed in (31, 32))
+    text = list(range(300, 340))                       # 40 tokens: the picture at 40, the last block boundary 32
+    llm.generate(image_prompt(text, [first], [60, 61]), GREEDY)
+    runs = llm.engine.stats.num_tower_runs
+    got = llm.generate(image_prompt(text, [second], [60, 61]), GREEDY)[0]
+    cold = cold_split_llm.generate(image_prompt(text, [second], [60, 61]), GREEDY)[0]
+    assert got.num_cached_tokens == 32 and llm.engine.stats.num_tower_runs == runs + 1
+    assert got.outputs[0].token_ids == cold.outputs[0].token_ids
+    np.testing.assert_allclose(logprobs(got), logprobs(cold), atol=1e-5)
+
+
+def test_update_weights_brings_the_new_tower_and_drops_its_cached_outputs(paths, tmp_path_factory, llm):
+    from qnext.config import ModelConfig
+    from qnext.model.loader import load_params
+    from qnext.model.vision_weights import load_vision_params
+
+    other = write_vision_checkpoint(tmp_path_factory.mktemp("vlm-other"), seed=4)
+    prompt = image_prompt([5, 6, 7], [picture(17)], [8, 9])
+    want = qnext.LLM(other, **ENGINE).generate(prompt, GREEDY)[0]
+    old = llm.generate(prompt, GREEDY)[0]                   # the old tower's output now in the encoder cache
+
+    def weights(path):
+        return load_params(path, ModelConfig.from_pretrained(path)), load_vision_params(path)
+
+    try:
+        text, tower = weights(other)
+        llm.engine.update_weights(text, vision_params=tower)
+        got = llm.generate(prompt, GREEDY)[0]
+    finally:
+        text, tower = weights(paths[0])
+        llm.engine.update_weights(text, vision_params=tower)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    np.testing.assert_allclose(logprobs(got), logprobs(want), atol=1e-5)
+    assert np.abs(logprobs(old) - logprobs(want)).max() > 1e-3
+    back = llm.generate(prompt, GREEDY)[0]
+    np.testing.assert_allclose(logprobs(back), logprobs(old), atol=1e-5)
 
 
 def test_decode_after_a_picture_runs_multi_step_windows_as_single_steps(paths, llm, cold_split_llm):

@@ -125,6 +125,27 @@ def test_malformed_fp8_checkpoints_name_the_tensor(tmp_path, edit, message):
         convert_checkpoint(fp8, ModelConfig.from_pretrained(fp8), "float32")
 
 
+def _set_scale(value):
+    def edit(tensors):
+        scale = tensors[QKV + "_scale_inv"].copy()
+        scale[1, 0] = value
+        tensors[QKV + "_scale_inv"] = scale
+    return edit
+
+
+@pytest.mark.parametrize("value", [np.nan, 0.0, -0.5, np.inf])
+def test_fp8_block_scales_that_are_not_finite_and_positive_are_refused(tmp_path, value):
+    from qnext.testing.tiny_checkpoint import write_tiny_checkpoint
+
+    src = write_tiny_checkpoint(tmp_path / "bf16", "qwen3_5", dtype="bfloat16")
+    fp8 = export_fp8(src, tmp_path / "fp8", block_size=(48, 48))
+    _rewrite(fp8, _set_scale(value))
+    with pytest.raises(CheckpointError, match=r"block scale '.*in_proj_qkv.weight_scale_inv' in .* of fp8 tensor "
+                                              r"'.*in_proj_qkv.weight' has 1 of 6 values that are not finite and "
+                                              rf"positive \(e.g. {value} at block \[1, 0\]\)"):
+        convert_checkpoint(fp8, ModelConfig.from_pretrained(fp8), "float32")
+
+
 def test_fp8_tensor_without_quantization_config_is_an_error(tmp_path):
     from qnext.testing.tiny_checkpoint import write_tiny_checkpoint
 

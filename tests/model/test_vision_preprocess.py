@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from qnext.vision.preprocess import preprocess_image, preprocess_video, sample_frame_indices, smart_resize
+from qnext.vision.preprocess import VisualInput, preprocess_image, preprocess_video, sample_frame_indices, smart_resize
 from qnext.vision.preprocess_config import (DEFAULT_IMAGE_CONFIG, DEFAULT_VIDEO_CONFIG, VisionPreprocessConfig,
                                             load_preprocess_configs)
 
@@ -86,7 +86,7 @@ def test_video_layout_sizes_and_timestamps_equal_transformers():
 
 
 def test_content_hash_tells_inputs_apart():
-    image = random_image(37, 53)
+    image = random_image(40, 56)                          # a size TINY keeps: no resize hides a changed pixel
     first = preprocess_image(image, TINY)
     assert len(first.content_hash) == 64 and int(first.content_hash, 16) >= 0        # full SHA-256 hex
     assert preprocess_image(image.copy(), TINY).content_hash == first.content_hash
@@ -99,6 +99,16 @@ def test_content_hash_tells_inputs_apart():
     video = preprocess_video(frames, 2.0, TINY)
     assert video.content_hash != preprocess_video(frames, 1.0, TINY).content_hash      # other timestamps
     assert video.content_hash != preprocess_video(frames[::-1], 2.0, TINY).content_hash
+
+
+def test_content_hash_is_the_pixels_own_never_the_callers():
+    first = preprocess_image(random_image(40, 56), TINY)
+    args = (first.kind, first.pixel_values, first.grid_thw, first.num_tokens)
+    assert VisualInput(*args).content_hash == first.content_hash
+    with pytest.raises(TypeError):
+        VisualInput(*args, content_hash="0" * 64)
+    with pytest.raises(ValueError, match=r"grid_thw \(1, 10, 14\) needs 140 rows"):
+        VisualInput(first.kind, first.pixel_values[:-1], first.grid_thw, first.num_tokens)
 
 
 def test_configs_come_from_the_checkpoint_files(tmp_path):
