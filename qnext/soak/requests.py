@@ -11,13 +11,13 @@ import socket
 import time
 from dataclasses import dataclass
 
-import anthropic
 import httpx
-import openai
 from PIL import Image
 
+from qnext.optional import optional_import
 from qnext.soak.judge import Outcome
 
+openai = anthropic = None      # the SDKs (the [soak] extra), imported when a RequestMix is made
 REQUEST_DEADLINE_S = 120.0      # a request without an answer by then is "left hanging"
 WORDS = ("sea ship light keeper storm night wind wave harbour rock coast bell fog boat sailor map star north south "
          "tide rope lamp tower island bird rain cloud morning evening story old new small great quiet").split()
@@ -59,6 +59,9 @@ class RequestMix:
     """Sends one request of a given kind and says how it ended. Thread-safe: each call makes its own clients."""
 
     def __init__(self, target: Target, kinds: set[str], probe_answers: dict[str, str] | None = None):
+        global openai, anthropic
+        openai = optional_import("openai", "soak", "the soak's clients")
+        anthropic = optional_import("anthropic", "soak", "the soak's clients")
         self.target, self.kinds = target, kinds
         self.probe_answers = probe_answers or {}
         self.t0 = time.monotonic()
@@ -83,10 +86,10 @@ class RequestMix:
         return outcome
 
     # ---- clients -----------------------------------------------------------------------------------------------
-    def openai(self, timeout: float = REQUEST_DEADLINE_S) -> openai.OpenAI:
+    def openai(self, timeout: float = REQUEST_DEADLINE_S):
         return openai.OpenAI(base_url=self.target.base_url + "/v1", api_key="unused", timeout=timeout, max_retries=0)
 
-    def anthropic(self) -> anthropic.Anthropic:
+    def anthropic(self):
         return anthropic.Anthropic(base_url=self.target.base_url, api_key="unused", timeout=REQUEST_DEADLINE_S,
                                    max_retries=0)
 
