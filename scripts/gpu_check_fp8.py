@@ -55,7 +55,7 @@ def fp8_matmul_rows(models, repeats, deadline, rows=ROWS, dense=DENSE):
     import bench_kernels as bk
     from qnext.model.fp8_blocks import quantize
     from qnext.model.fp8_linear import FORMULATIONS, dequantize_on_device, fp8_linear
-    from qnext.model.linear import linear
+    from qnext.ops.linear import linear
 
     out = []
     for model in models:

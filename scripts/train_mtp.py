@@ -114,7 +114,7 @@ class Trainer:
         import jax.numpy as jnp
         import optax
 
-        from qnext.model.linear import linear
+        from qnext.ops.linear import linear
         from qnext.model.mtp import mtp_forward
 
         # the decoder's weights go in as arguments: closed over, XLA would constant-fold through them

@@ -68,13 +68,13 @@ def memory_bandwidth(nbytes: int, reps: int = 5, reads: int = 8) -> dict:
     neighbours idle), by a few readers, each the fastest of `reps`; the fastest reader gives the rate (the bandwidth
     floor's denominator).
     Readers: jitted XLA sums over the buffer and over its two halves, numpy's BLAS matrix-vector product (its own
-    threads) and the engine's own projection of one row (qnext.model.linear: two matrix-vector products at once),
+    threads) and the engine's own projection of one row (qnext.ops.linear: two matrix-vector products at once),
     so the rate hangs on no one library's threading. A reader only makes the floor stricter: the rate is the
     fastest any of them streams."""
     import jax
     import jax.numpy as jnp
 
-    from qnext.model.linear import linear
+    from qnext.ops.linear import linear
 
     n = max(nbytes // 4 // 4096, 1) * 4096
     host = np.random.default_rng(0).standard_normal(n, dtype=np.float32)

@@ -11,12 +11,12 @@ def gemm_rates(cfg, ms: list[int], dtypes: tuple[str, ...], reps: int = 3) -> di
     """{m: {dtype: result}}: seconds and FLOP/s of x [m, K] times every weight matrix of the model (distinct weights,
     so weight traffic is real), in `dtype` with float32 accumulation, jitted, the fastest of `reps` (the rate the
     machine reaches when a neighbour does not slow it: the strictest floor), for both weight
-    layouts: [K, N] (x @ W) and [N, K] (the engine's, qnext.model.linear). The faster one is the machine's rate
+    layouts: [K, N] (x @ W) and [N, K] (the engine's, qnext.ops.linear). The faster one is the machine's rate
     (`flops_per_s`). Each layout's weights are made once per dtype and timed at every m."""
     import jax
     import jax.numpy as jnp
 
-    from qnext.model.linear import linear
+    from qnext.ops.linear import linear
 
     shapes = matmul_shapes(cfg)
     key = jax.random.PRNGKey(0)

@@ -19,6 +19,7 @@ from qnext.config import ModelConfig, read_json
 from qnext.model.dense import dense_forward
 from qnext.model.checkpoint import load_checkpoint
 from qnext.model.vision_weights import load_vision_params
+from qnext.flax.param_group import ParamGroup
 from qnext.flax.vision import VisionTower, as_vision_params
 from qnext.vision.config import vision_configs
 from qnext.vision.tower import as_grids, encode
@@ -35,14 +36,6 @@ class SourceCheckpoint:
     @property
     def hf_config(self) -> dict[str, Any]:
         return json.loads(self.hf_config_json)
-
-
-class ParamGroup(nnx.Module):
-    """A flat dict of the engine's params (one mixer or MLP) as nnx.Param attributes of the same names."""
-
-    def __init__(self, params: dict[str, Any]):
-        for name, value in params.items():
-            setattr(self, name, nnx.Param(jnp.asarray(value)))
 
 
 class DecoderLayer(nnx.Module):

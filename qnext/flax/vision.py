@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from qnext.flax.param_group import ParamGroup
 from qnext.vision.config import VisionConfig, VisionTokenIds
 from qnext.vision.preprocess import VisualInput
 from qnext.vision.prompt_inputs import batch_mrope_positions
@@ -22,7 +23,6 @@ from qnext.vision.tower import as_grids
 
 class VisionTower(nnx.Module):
     def __init__(self, config: VisionConfig, token_ids: VisionTokenIds, params: dict[str, Any]):
-        from qnext.flax.model import ParamGroup
 
         self.config = config
         self.token_ids = token_ids

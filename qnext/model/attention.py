@@ -12,7 +12,7 @@ import pallas_kernels as ops
 from qnext.config import ModelConfig
 from qnext.model.fp8_blocks import E4M3_MAX
 from qnext.model.groups import from_groups, query_positions, to_decode, to_prefill
-from qnext.model.linear import linear
+from qnext.ops.linear import linear
 from qnext.model.norms import rms_norm
 from qnext.model.rotary import apply_rotary
 from qnext.model.step_inputs import StepInputs

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pallas_kernels as ops
 from qnext.config import ModelConfig
 from qnext.model.groups import from_groups, to_decode, to_prefill
-from qnext.model.linear import linear
+from qnext.ops.linear import linear
 from qnext.model.norms import gated_rms_norm
 from qnext.model.step_inputs import StepInputs
 

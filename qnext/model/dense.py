@@ -21,7 +21,7 @@ from qnext.config import ModelConfig
 from qnext.model.dense_delta_rule import dense_gated_delta_rule
 from qnext.model.attention import attention_inputs, attention_output
 from qnext.model.deltanet import delta_rule_inputs, deltanet_output, deltanet_projections
-from qnext.model.linear import linear
+from qnext.ops.linear import linear
 from qnext.model.mlp import feed_forward
 from qnext.model.norms import rms_norm
 

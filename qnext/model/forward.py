@@ -10,7 +10,7 @@ from qnext.config import ModelConfig
 from qnext.model.attention import full_attention
 from cache.device_buffers import CacheBuffers
 from qnext.model.deltanet import gated_deltanet
-from qnext.model.linear import linear
+from qnext.ops.linear import linear
 from qnext.model.mlp import feed_forward
 from qnext.model.norms import rms_norm
 from qnext.model.snapshot_staging import capture_rows, restore_rows, stage

@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 
 from qnext.model.fp8_blocks import e4m3
-from qnext.model.fp8_weight import Fp8Weight
+from qnext.ops.fp8_weight import Fp8Weight
 
 FP8_WEIGHT_MODES = ("dequantize", "keep")
 

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from qnext.model.fp8_blocks import E4M3_MAX
-from qnext.model.fp8_weight import dequantize_on_device
-from qnext.model.linear import linear
+from qnext.ops.fp8_weight import dequantize_on_device
+from qnext.ops.linear import linear
 
 FORMULATIONS = ("dequantize", "scaled_dot")
 

@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from qnext.model.fp8_weight import Fp8Weight
+from qnext.ops.fp8_weight import Fp8Weight
 
 
 def block_along(leaf: Fp8Weight, axis: int) -> int:

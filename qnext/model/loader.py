@@ -23,7 +23,7 @@ from qnext.model import converted_cache
 from qnext.model.checkpoint_tensors import (  # noqa: F401  (names the loader has always exported)
     INDEX_FILE, SINGLE_FILE, CheckpointError, Tensors as _Tensors, checkpoint_files)
 from qnext.model.fp8_keep import FP8_WEIGHT_MODES, kept_expert_list, kept_expert_stack, kept_rows
-from qnext.model.fp8_weight import Fp8Weight
+from qnext.ops.fp8_weight import Fp8Weight
 from qnext.model.weights import ParamSpec, as_dtype, map_specs, param_specs
 from qnext.model.host_devices import engine_devices
 

@@ -5,8 +5,8 @@ import jax
 import jax.numpy as jnp
 
 from qnext.config import ModelConfig
-from qnext.model.fp8_weight import Fp8Weight
-from qnext.model.linear import linear
+from qnext.ops.fp8_weight import Fp8Weight
+from qnext.ops.linear import linear
 from qnext.model.tensor_parallel import AXIS
 
 

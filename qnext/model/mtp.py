@@ -27,7 +27,7 @@ import numpy as np
 from qnext.config import ModelConfig
 from qnext.model import hf_export, loader
 from qnext.model.dense import dense_full_attention
-from qnext.model.linear import linear
+from qnext.ops.linear import linear
 from qnext.model.mlp import feed_forward
 from qnext.model.norms import rms_norm
 

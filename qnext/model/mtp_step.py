@@ -19,7 +19,7 @@ from qnext.config import ModelConfig
 from qnext.model.argmax import first_argmax
 from qnext.model.attention import full_attention
 from qnext.model.forward import lm_logits
-from qnext.model.linear import linear
+from qnext.ops.linear import linear
 from qnext.model.mlp import feed_forward
 from qnext.model.norms import rms_norm
 from qnext.model.step_inputs import RowGroups, StepInputs

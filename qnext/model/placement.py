@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qnext.config import ModelConfig
-from qnext.model.fp8_weight import Fp8Weight
+from qnext.ops.fp8_weight import Fp8Weight
 from qnext.model.host_devices import engine_devices
 from qnext.model.tensor_parallel import make_mesh, shard_params
 from qnext.model.weights import ParamSpec, as_dtype, map_specs, param_specs

@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from cache.device_buffers import CacheBuffers
 from qnext.config import ModelConfig
 from qnext.model.fp8_sharding import reorder_fp8
-from qnext.model.fp8_weight import Fp8Weight
+from qnext.ops.fp8_weight import Fp8Weight
 from qnext.model.host_devices import engine_devices
 from qnext.model.weights import ParamSpec, map_specs, param_specs
 

@@ -1,6 +1,6 @@
 """The weights pytree (docs/CONTRACTS.md): shapes, dtypes and logical axes declared once.
 
-Dense matmul weights are [out, in], the checkpoint's nn.Linear layout (x @ W^T, see qnext/model/linear.py);
+Dense matmul weights are [out, in], the checkpoint's nn.Linear layout (x @ W^T, see qnext/ops/linear.py);
 expert stacks are [E, in, out] (the grouped matmul's layout). Axis names are logical ("vocab", "embed", "heads",
 "mlp", "expert"); tensor parallelism splits the "heads", "mlp" and "vocab" axes (tensor_parallel.py); None means
 the axis is never split (the embedding table is replicated: a lookup by token id). A fused param declares the

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import signal
 import sys
 
 from qnext.engine.config import EngineConfig
+from qnext.server.flag_values import json_object
 from qnext.server.media_flags import add_media_arguments, media_limits
 
 logger = logging.getLogger("qnext.server")
@@ -26,17 +26,6 @@ OPTION_HELP = {   # engine options whose default is not a plain value
     "compilation_cache_dir": "JAX's persistent compilation cache ('none': off); default $QNEXT_COMPILATION_CACHE_DIR, "
                              "else ~/.cache/qnext/jax",
 }
-
-
-def json_object(text: str) -> dict:
-    """A flag's JSON object value (vLLM's form: --speculative-config '{"method": "mtp", ...}')."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
 
 
 def engine_option_flags(parser: argparse.ArgumentParser) -> list[str]:

@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import argparse
 
+from qnext.server.flag_values import json_object
 from qnext.vision.media import MediaLimits
 
 _DEFAULT = MediaLimits()
 
 
 def add_media_arguments(p: argparse.ArgumentParser) -> None:
-    from qnext.server.cli import json_object
-
     p.add_argument("--limit-mm-per-prompt", type=json_object, default=None, metavar="JSON",
                    help=f"pictures per request, e.g. '{{\"image\": 4, \"video\": 1}}' (default: "
                         f"{_DEFAULT.max_images} images, {_DEFAULT.max_videos} video)")

@@ -26,7 +26,7 @@ from qnext.server.launch import ServerProcess, free_port
 from qnext.testing.tiny_checkpoint import demo_checkpoint_dir
 
 SERVER_ARGS = ["--served-model-name", DEMO_MODEL_NAME, "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
-               "--max-model-len", "2048", "--block-size", "16", "--log-level", "info"]
+               "--max-model-len", "2048", "--block-size", "16", "--log-level", "info", "--shutdown-timeout", "120"]
 START_TIMEOUT_S = 900.0          # the first start compiles (later ones read the compilation cache)
 CACHE_FILE = "prefix_cache.qnext"
 

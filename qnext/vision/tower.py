@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qnext.model.linear import linear
+from qnext.ops.linear import linear
 from qnext.vision.config import VisionConfig
 from qnext.vision.grid_tables import position_embedding_taps, rotary_angles
 

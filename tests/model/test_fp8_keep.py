@@ -17,7 +17,7 @@ from qnext.engine.config import EngineConfig, resolved_fp8_weights
 from qnext.model.dense import dense_forward
 from qnext.model.fp8_blocks import dequantize, quantize
 from qnext.model.fp8_keep import kept_rows
-from qnext.model.fp8_weight import Fp8Weight
+from qnext.ops.fp8_weight import Fp8Weight
 from qnext.model.loader import convert_checkpoint
 from qnext.testing.fp8_export import export_fp8
 from qnext.testing.tiny_checkpoint import write_tiny_checkpoint

@@ -16,7 +16,7 @@ _SCRIPT = textwrap.dedent("""
     import numpy as np
     import qnext
     from qnext import SamplingParams
-    from qnext.model.fp8_weight import Fp8Weight
+    from qnext.ops.fp8_weight import Fp8Weight
     from qnext.testing.fp8_export import export_fp8
     from qnext.testing.tiny_checkpoint import write_tiny_checkpoint
 

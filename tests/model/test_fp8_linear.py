@@ -12,7 +12,7 @@ import pytest
 
 from qnext.model.fp8_blocks import dequantize, quantize
 from qnext.model.fp8_linear import dequantize_on_device, fp8_linear, lower_for_cuda
-from qnext.model.linear import linear
+from qnext.ops.linear import linear
 from qnext.model.mlp import grouped_matmul
 
 S = jax.ShapeDtypeStruct

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qnext.model.linear import SPLIT_MAX_ROWS, linear
+from qnext.ops.linear import SPLIT_MAX_ROWS, linear
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, SPLIT_MAX_ROWS, SPLIT_MAX_ROWS + 1])

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qnext.model.fp8_weight import Fp8Weight
+from qnext.ops.fp8_weight import Fp8Weight
 
 SPLIT_MAX_ROWS = 32      # CPU: up to this many rows, the output halves run as one batched dot (below)
 
