@@ -67,13 +67,19 @@ class EngineCache:
 
     def save(self, directory: str, fingerprint: dict) -> Path | None:
         """Writes the prefix cache (its index and both tiers' contents) to `directory`; None when a step failed
-        before it gave the buffers back (nothing can be written then)."""
+        before it gave the buffers back (nothing can be written then) or the write failed (logged; a shutdown must
+        not fail for want of disk space)."""
         if self.manager.buffers is None:
             logger.warning("the prefix cache is not written to %s: a step failed before it returned the cache's "
                            "buffers", directory)
             return None
         self.flush_transfers()
-        path = save_prefix_cache(directory, self.manager, self.host_buffers, fingerprint)
+        try:
+            path = save_prefix_cache(directory, self.manager, self.host_buffers, fingerprint)
+        except OSError as e:     # a full disk, a read-only or vanished directory: the write is atomic, the old file stays
+            logger.error("the prefix cache could not be written to %s (%s); the file there, if any, is kept as it "
+                         "was", directory, e.strerror or e)
+            return None
         logger.info("prefix cache written to %s (%d bytes)", path, path.stat().st_size)
         return path
 

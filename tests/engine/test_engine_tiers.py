@@ -118,6 +118,38 @@ def test_changed_weights_or_block_size_never_load_the_old_cache(checkpoint, tmp_
         # not closed: the file stays the first engine's
 
 
+def test_a_full_disk_at_close_keeps_the_old_file_and_closes_cleanly(checkpoint, tmp_path, caplog, monkeypatch):
+    """The soak's full disk: the save at close fails with ENOSPC. close() must not raise (a server's shutdown
+    failed with a traceback and a non-zero exit), and the previous file must still load whole."""
+    import errno
+    import cache.persistence
+
+    first, next_turn = chat_turns(3)
+    with qnext.LLM(checkpoint, prefix_cache_dir=str(tmp_path), **ENGINE) as llm:
+        reply = llm.generate({"prompt_token_ids": first}, GREEDY)[0].outputs[0].token_ids
+    saved = (tmp_path / "prefix_cache.qnext").read_bytes()
+    llm = qnext.LLM(checkpoint, prefix_cache_dir=str(tmp_path), **ENGINE)
+    llm.generate({"prompt_token_ids": chat_turns(5)[0]}, GREEDY)
+    real_write = cache.persistence.os.fdopen
+
+    def full_disk(fd, mode="r", *args, **kwargs):
+        f = real_write(fd, mode, *args, **kwargs)
+        if "w" in mode:
+            def no_space(data):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            f.write = no_space
+        return f
+    monkeypatch.setattr(cache.persistence.os, "fdopen", full_disk)
+    with caplog.at_level(logging.ERROR, logger="qnext.engine"):
+        llm.close()
+    monkeypatch.undo()
+    assert "could not be written" in caplog.text and "No space left on device" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prefix_cache.qnext", "weights_digest.json"]
+    assert (tmp_path / "prefix_cache.qnext").read_bytes() == saved
+    with qnext.LLM(checkpoint, prefix_cache_dir=str(tmp_path), **ENGINE) as restarted:
+        assert restarted.generate({"prompt_token_ids": next_turn(reply)}, GREEDY)[0].num_cached_tokens > 0
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip_a_data_byte"])
 def test_a_damaged_cache_file_is_ignored_with_a_warning(checkpoint, tmp_path, caplog, damage):
     first, next_turn = chat_turns(3)
