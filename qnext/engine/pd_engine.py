@@ -1,4 +1,4 @@
-"""The prefill/decode disaggregation ends of LLMEngine (docs/scale.md), as a mixin: a prefill request stops after
+"""The prefill/decode disaggregation ends of LLMEngine (docs/pd.md), as a mixin: a prefill request stops after
 its first token and leaves a bundle (KV blocks and the state at the last prompt token); a transferred request keeps
 the leading blocks this engine's cache holds, fetches the rest and the state, and decodes from the first token on.
 The engine's attributes they use: requests, intake, cache, scheduler, stats, model_config, config, max_model_len,
@@ -32,7 +32,7 @@ class PrefillDecodeEnds:
                                 source: BundleSource) -> None:
         """A request whose prompt a prefill engine computed (source: its bundle, or a fetcher of it): this engine
         keeps the leading blocks its own cache holds, fetches only the rest and the state at the last prompt token,
-        and decodes from the first token on (docs/scale.md). The three steps apart, for a caller that fetches on
+        and decodes from the first token on (docs/pd.md). The three steps apart, for a caller that fetches on
         another thread: begin_transferred_request, PendingTransfer.fetch, finish_transferred_request."""
         pending = self.begin_transferred_request(request_id, prompt, params, source.meta)
         try:

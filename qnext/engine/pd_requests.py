@@ -1,4 +1,4 @@
-"""The engine's two ends of prefill/decode disaggregation (docs/scale.md): the prefill side's exports after the step
+"""The engine's two ends of prefill/decode disaggregation (docs/pd.md): the prefill side's exports after the step
 that ran a prompt, and the decode side's intake of a request whose prompt was computed elsewhere."""
 from __future__ import annotations
 
@@ -119,10 +119,14 @@ def begin_transfer(seq: Sequence, meta: dict, cache: EngineCache, cfg: ModelConf
             raise ValueError(f"the prefill engine finished this request ({meta['finish_reason']}): nothing to "
                              "decode")
         check_model(meta, layout, model_identity)
+        num_blocks = -(-len(seq.prompt_token_ids) // layout["block_size"])
         token = first_token(meta)
+        if meta["num_blocks"] != num_blocks or not 0 <= token.token_id < layout["vocab_size"]:
+            raise PeerMismatchError(f"the prefill side's bundle has {meta['num_blocks']} blocks for {num_blocks} "
+                                    f"and a first token {token.token_id} (vocabulary: {layout['vocab_size']})")
+        stop = append_sampled(seq, token, eos_token_ids, max_model_len)
     except (KeyError, TypeError, AttributeError) as e:
         raise PeerMismatchError(f"the prefill side's bundle metadata is malformed ({e!r})") from None
-    stop = append_sampled(seq, token, eos_token_ids, max_model_len)
     if stop is not None:
         raise ValueError(f"the first token ends this request here ({stop[0]}) but not on the prefill server: send "
                          "both servers the same request (sampling params, max_tokens) and give them the same "

@@ -1,5 +1,5 @@
 """What moves from a prefill engine to a decode engine for one request (prefill/decode disaggregation,
-docs/scale.md), in a layout independent of either side's tensor-parallel size (qnext/model/canonical_cache.py).
+docs/pd.md), in a layout independent of either side's tensor-parallel size (qnext/model/canonical_cache.py).
 
 A `PrefillBundle` is the prefill side's export at exactly the last prompt token: the metadata (the prompt, its
 chain block hashes, the first sampled token with its logprob, how the request finished there, the cache layout)

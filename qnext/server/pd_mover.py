@@ -1,5 +1,5 @@
 """Moving a prefill bundle (qnext/engine/pd_transfer.py) between processes: the metadata over HTTP, the arrays
-with JAX's transfer engine (`jax.experimental.transfer`, docs/scale.md).
+with JAX's transfer engine (`jax.experimental.transfer`, docs/pd.md).
 
 Prefill side: `PrefillMover.prepare(bundle, first_block, num_kv_layers)` puts the slices the decode side asked for
 on this process's first device and offers them to the transfer server under a fresh random 62-bit uuid
@@ -10,7 +10,7 @@ metadata implies and pulls exactly that (`TransferConnection.pull`) onto its own
 memory. Every wait across the process boundary has a deadline (`timeout_s`): a peer that does not answer in time
 fails the request (504), one that answers wrongly fails it too (502). One transfer server per process, started on
 first use, on the address given (127.0.0.1 in the tests). The transfer server itself cannot be authenticated: it
-must stay on a private network (docs/security-pd.md); its offers are reachable only through the uuid, which only the
+must stay on a private network (docs/security.md); its offers are reachable only through the uuid, which only the
 secret-guarded `/pd/*` routes hand out.
 """
 from __future__ import annotations

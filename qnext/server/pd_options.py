@@ -1,4 +1,4 @@
-"""A PD server's options (`qnext serve --pd-role ...`, docs/scale.md and docs/security-pd.md): its role, its links to
+"""A PD server's options (`qnext serve --pd-role ...`, docs/pd.md and docs/security.md): its role, its links to
 the other side and their limits, checked before anything loads.
 
 A link that leaves the loopback needs the cluster secret: a PD server refuses to start without one when its JAX
@@ -80,10 +80,10 @@ def pd_options_from_args(args) -> PDOptions | None:
 
 def add_pd_arguments(p) -> None:
     p.add_argument("--pd-role", choices=PD_ROLES, default=None,
-                   help="one side of prefill/decode disaggregation behind `qnext pd-router` (docs/scale.md)")
+                   help="one side of prefill/decode disaggregation behind `qnext pd-router` (docs/pd.md)")
     p.add_argument("--pd-transfer-host", default="127.0.0.1",
                    help="with --pd-role: the address this process's JAX transfer server listens on (beyond the "
-                        "loopback: a private network only, and --cluster-secret-file; docs/security-pd.md)")
+                        "loopback: a private network only, and --cluster-secret-file; docs/security.md)")
     p.add_argument("--pd-prefill-url", action="append", default=[], metavar="URL",
                    help="with --pd-role decode (needed there; repeat for several): a prefill server this server may "
                         "fetch from; a request naming any other gets a 400")

@@ -1,5 +1,5 @@
 """`qnext pd-router --prefill URL [--prefill URL ...] --decode URL [--decode URL ...]`: the front of prefill/decode
-disaggregation (docs/scale.md).
+disaggregation (docs/pd.md).
 
 For each completion or chat completion, one prefill and one decode server are chosen (pd_choice.py: the one whose
 earlier requests share the longest prefix with it, else the least busy); the body goes to the prefill server (not

@@ -1,4 +1,4 @@
-"""`qnext serve --pd-role prefill|decode`: one side of prefill/decode disaggregation (docs/scale.md).
+"""`qnext serve --pd-role prefill|decode`: one side of prefill/decode disaggregation (docs/pd.md).
 
 The router (qnext/server/pd_router.py) sends a request's body to a prefill server with the header
 `x-qnext-pd: {"request_id": ID}`, then the same body to a decode server with
@@ -16,7 +16,7 @@ within --pd-timeout) before the request reaches the engine (pd_role_engines.py).
   server fetches only from the prefill servers it was started with (`--pd-prefill-url`, repeatable): a header
   naming another address, or ids other than letters, digits, '-' and '_', is a 400, and nothing is fetched.
 
-/pd/* wants the cluster secret (header x-qnext-cluster-key) when the server has one (docs/security-pd.md).
+/pd/* wants the cluster secret (header x-qnext-cluster-key) when the server has one (docs/security.md).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation between engines in one process (qnext/engine/pd_transfer.py, docs/scale.md):
+"""Prefill/decode disaggregation between engines in one process (qnext/engine/pd_transfer.py, docs/pd.md):
 greedy outputs equal one instance's, token for token (and each token's logprob within 1e-4), over 100+ short
 prompts (a few tokens to 3 blocks, some sharing prefixes) across TP1 -> TP2 and TP2 -> TP1, with and without the
 decode side's own cached prefix, with MTP on the decode side (TP2 -> TP1 + MTP) and on the prefill side (its head's
@@ -235,6 +235,9 @@ def test_a_lying_or_unfit_prefill_side_is_refused_before_its_arrays_touch_the_ca
     liar = _Source(bundle, {**bundle.meta, "model_identity": "0" * 32})
     with pytest.raises(PeerMismatchError, match="computes another model"):
         engine.add_transferred_request("d", PROMPT, greedy, liar)
+    # a bundle claiming a million blocks (the decode side would pull whatever size it was told)
+    with pytest.raises(PeerMismatchError, match="1000000 blocks for 3"):
+        engine.add_transferred_request("d", PROMPT, greedy, _Source(bundle, {**bundle.meta, "num_blocks": 10**6}))
     # a first token that ends the request here (max_tokens 1 on the decode side only): the client's error, seen
     # before anything is held or fetched
     ends = _Source(bundle)

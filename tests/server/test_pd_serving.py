@@ -1,9 +1,10 @@
-"""Prefill/decode disaggregation over processes on loopback (docs/scale.md): `qnext serve --pd-role prefill`,
+"""Prefill/decode disaggregation over processes on loopback (docs/pd.md): `qnext serve --pd-role prefill`,
 `qnext serve --pd-role decode` and `qnext pd-router` give the openai client what one process gives (chat, the chat
 streamed, a forced tool call), with the prompt computed by the prefill server and its KV and state pulled through
-JAX's transfer server; the decode server reports the whole prompt cached; the prefill server's bundle routes, behind the cluster secret; a
-decode request whose bundle is gone is computed on the decode server. Against bad requests and bad peers (a stub
-peer on 127.0.0.1 that is slow or lies): each fails alone with a clear status while another stream decodes on."""
+JAX's transfer server; the decode server reports the whole prompt cached; the prefill server's bundle routes,
+behind the cluster secret; a decode request whose bundle is gone is computed on the decode server. Against bad
+requests and bad peers (a stub peer on 127.0.0.1 that is slow or lies): each fails alone with a clear status while
+another stream decodes on."""
 from __future__ import annotations
 
 import contextlib
@@ -150,6 +151,11 @@ def test_the_prefill_server_answers_prefilled_and_offers_its_bundle_once(servers
     bad = httpx.post(servers["decode"].base_url + "/v1/chat/completions", timeout=60,
                      headers={"x-qnext-pd": "not json"}, json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2})
     assert bad.status_code == 400 and "x-qnext-pd" in bad.text
+    # without the router's header a prefill server serves the whole answer and keeps no bundle of it
+    whole = httpx.post(servers["prefill"].base_url + "/v1/chat/completions", timeout=60,
+                       json={"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "temperature": 0, **GREEDY}).json()
+    assert whole["choices"][0]["finish_reason"] == "length" and whole["usage"]["completion_tokens"] == 5
+    assert httpx.get(f"{servers['prefill'].base_url}/pd/bundles/{whole['id']}", headers=KEY).status_code == 404
     # a bundle that is gone (pulled above): the decode server computes the prompt itself
     gone = {"request_id": "pd-test-gone", "prefill_url": servers["prefill"].base_url, "prefill_request_id": rid}
     local = decode(servers, gone).json()
