@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation against one instance, on loopback: the chat workload of bench_serving.py through
 `qnext pd-router` over a `--pd-role prefill` and a `--pd-role decode` server, and against one `qnext serve`, one
-after the other (docs/scale.md).
+after the other (docs/pd.md).
 
     python scripts/bench_pd.py                                  # tiny demo model
     python scripts/bench_pd.py --model DIR --server-args "--max-num-seqs 32 --max-num-batched-tokens 512"

@@ -159,7 +159,7 @@ class LLMEngine(PrefillDecodeEnds):
                                    vocab_size=cfg.vocab_size, max_model_len=self.max_model_len)
         self.requests: dict[str, Sequence] = {}
         self.prefill_exports = PrefillExports(cfg, config.tensor_parallel_size, config.block_size,
-                                              config.kv_cache_scale)
+                                              config.kv_cache_scale, self.model_identity)
 
     def warm_up(self, on_bucket=None) -> int:
         """Compiles every step shape (and the common sampler variants); after it a workload compiles nothing.

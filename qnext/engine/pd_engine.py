@@ -1,8 +1,8 @@
-"""The prefill/decode disaggregation ends of LLMEngine (docs/scale.md), as a mixin: a prefill request stops after
+"""The prefill/decode disaggregation ends of LLMEngine (docs/pd.md), as a mixin: a prefill request stops after
 its first token and leaves a bundle (KV blocks and the state at the last prompt token); a transferred request keeps
 the leading blocks this engine's cache holds, fetches the rest and the state, and decodes from the first token on.
 The engine's attributes they use: requests, intake, cache, scheduler, stats, model_config, config, max_model_len,
-prefill_exports, _closed, abort_request, release."""
+prefill_exports, model_identity, _closed, abort_request, release."""
 from __future__ import annotations
 
 from qnext.engine.intake import Prompt
@@ -14,7 +14,8 @@ from qnext.sampling_params import SamplingParams
 class PrefillDecodeEnds:
     def add_prefill_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
         """A request this engine prefills for a decode engine: it stops after its first token (finish_reason
-        "prefilled", unless that token really ends it) and leaves a PrefillBundle for `take_prefill_bundle`."""
+        "prefilled") and leaves a PrefillBundle for `take_prefill_bundle`; a first token that really ends it (the
+        request's own stop, max_tokens) ends it here, and nothing is exported."""
         self.add_request(request_id, prompt, params)
         seq = self.requests[request_id]
         if seq.group is not None or seq.visuals is not None:
@@ -31,7 +32,7 @@ class PrefillDecodeEnds:
                                 source: BundleSource) -> None:
         """A request whose prompt a prefill engine computed (source: its bundle, or a fetcher of it): this engine
         keeps the leading blocks its own cache holds, fetches only the rest and the state at the last prompt token,
-        and decodes from the first token on (docs/scale.md). The three steps apart, for a caller that fetches on
+        and decodes from the first token on (docs/pd.md). The three steps apart, for a caller that fetches on
         another thread: begin_transferred_request, PendingTransfer.fetch, finish_transferred_request."""
         pending = self.begin_transferred_request(request_id, prompt, params, source.meta)
         try:
@@ -49,10 +50,11 @@ class PrefillDecodeEnds:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = self.intake.samples(request_id, prompt, params or SamplingParams())[0]
         return begin_transfer(seq, meta, self.cache, self.model_config, self.config.tensor_parallel_size,
-                              self.prefill_exports.layout(self.cache.manager.buffers))
+                              self.prefill_exports.layout(self.cache.manager.buffers), self.model_identity(),
+                              self.scheduler.eos_token_ids, self.max_model_len)
 
     def finish_transferred_request(self, pending: PendingTransfer) -> None:
-        seq = finish_transfer(pending, self.cache, self.scheduler.eos_token_ids, self.max_model_len)
+        seq = finish_transfer(pending, self.cache)
         if seq.request_id in self.requests:
             self.cache.manager.drop_held(seq.request_id)
             raise ValueError(f"request id {seq.request_id!r} is already in use")

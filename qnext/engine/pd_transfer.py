@@ -1,5 +1,5 @@
 """What moves from a prefill engine to a decode engine for one request (prefill/decode disaggregation,
-docs/scale.md), in a layout independent of either side's tensor-parallel size (qnext/model/canonical_cache.py).
+docs/pd.md), in a layout independent of either side's tensor-parallel size (qnext/model/canonical_cache.py).
 
 A `PrefillBundle` is the prefill side's export at exactly the last prompt token: the metadata (the prompt, its
 chain block hashes, the first sampled token with its logprob, how the request finished there, the cache layout)
@@ -10,7 +10,9 @@ prompt zeroed) and ONE state, the live row after the prompt's last token (`conv.
 N, not after N-1 (vLLM #37310).
 
 The decode side reads it through a `BundleSource` (`meta`, `fetch(first_block, num_kv_layers)`): it asks only for
-the blocks its own prefix cache does not hold and the KV layers it has, so `fetch` moves the minimum. An in-process
+the blocks its own prefix cache does not hold and the KV layers it has, so `fetch` moves the minimum. It trusts
+nothing it gets: the model identity and the layout must be its own, and every fetched array must have the name,
+shape and dtype the metadata implies (`expected_arrays`) before any of it touches the cache. An in-process
 bundle is its own source; qnext/server/pd_mover.py fetches one from another process.
 """
 from __future__ import annotations
@@ -28,6 +30,11 @@ from qnext.model.canonical_cache import conv_from_canonical, conv_to_canonical, 
 PREFILLED = "prefilled"        # finish_reason of a request whose decoding continues on a decode engine
 
 
+class PeerMismatchError(ValueError):
+    """The prefill side's bundle does not fit this decode engine: another model, another cache layout, or arrays
+    other than the metadata announced. Not the client's fault: the two servers disagree."""
+
+
 def cache_layout_meta(cfg: ModelConfig, buffers: CacheBuffers, block_size: int, kv_cache_scale: float) -> dict:
     """The canonical layout of an engine's cache: what must agree between the two sides (the MTP layer need not)."""
     num_mtp = len(buffers.kv) - len(cfg.full_layer_ids)
@@ -41,11 +48,20 @@ def cache_layout_meta(cfg: ModelConfig, buffers: CacheBuffers, block_size: int, 
             "num_state_layers": len(buffers.conv), "vocab_size": cfg.vocab_size, **state}
 
 
+def check_model(meta: dict, layout: dict, model_identity: str) -> None:
+    """PeerMismatchError naming what differs between the bundle's model and cache layout and this engine's."""
+    if meta.get("model_identity") != model_identity:
+        raise PeerMismatchError(f"the prefill engine computes another model (identity {meta.get('model_identity')!r}, "
+                                f"this decode engine's {model_identity!r}): both sides must load the same weights "
+                                "with the same dtypes")
+    check_layouts(meta["layout"], layout)
+
+
 def check_layouts(prefill: dict, decode: dict) -> None:
-    """ValueError naming what differs between the prefill engine's cache layout and this one's."""
+    """PeerMismatchError naming what differs between the prefill engine's cache layout and this one's."""
     for key in sorted(set(prefill) | set(decode)):
         if key != "num_mtp_kv_layers" and prefill.get(key) != decode.get(key):
-            raise ValueError(f"the prefill engine's cache has {key}={prefill.get(key)!r}, this decode engine's "
+            raise PeerMismatchError(f"the prefill engine's cache has {key}={prefill.get(key)!r}, this decode engine's "
                              f"{decode.get(key)!r}: both sides must serve the same model with the same cache options")
 
 
@@ -73,9 +89,35 @@ class BundleSource(Protocol):
     def fetch(self, first_block: int, num_kv_layers: int) -> dict[str, np.ndarray]: ...
 
 
-def export_prefill(buffers: CacheBuffers, cfg: ModelConfig, tp: int, layout: dict, request_id: str,
-                   prompt_token_ids: list[int], block_hashes: list[bytes], block_table: list[int], state_row: int,
-                   first: SampledToken, finish: tuple) -> PrefillBundle:
+def expected_arrays(meta: dict, first_block: int, num_kv_layers: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name -> (shape, dtype) of what `fetch(first_block, num_kv_layers)` must return for a bundle with this
+    metadata (its layout checked against this engine's): what a decode engine checks the arrays against before
+    they touch its cache, and asks a remote prefill server for."""
+    layout = meta["layout"]
+    missing = meta["num_blocks"] - first_block
+    num_layers = min(num_kv_layers, layout["num_model_kv_layers"] + layout["num_mtp_kv_layers"])
+    kv = ((layout["num_kv_heads"], missing, layout["block_size"], layout["head_dim"]), layout["kv_dtype"])
+    out = {f"kv.{i}.{part}": kv for i in range(num_layers) for part in ("k", "v")}
+    for i in range(layout["num_state_layers"]):
+        out[f"conv.{i}"] = tuple(layout["conv_shape"]), layout["conv_dtype"]
+        out[f"recurrent.{i}"] = tuple(layout["recurrent_shape"]), "float32"
+    return out
+
+
+def check_arrays(arrays: dict[str, np.ndarray], expected: dict[str, tuple[tuple[int, ...], str]]) -> None:
+    """PeerMismatchError unless `arrays` are exactly the expected names, shapes and dtypes."""
+    if set(arrays) != set(expected):
+        raise PeerMismatchError(f"the prefill side sent arrays {sorted(arrays)}; expected {sorted(expected)}")
+    for name, (shape, dtype) in expected.items():
+        a = arrays[name]
+        if tuple(a.shape) != tuple(shape) or np.dtype(a.dtype).name != dtype:
+            raise PeerMismatchError(f"the prefill side sent {name} as {np.dtype(a.dtype).name}{list(a.shape)}; "
+                                    f"its metadata announced {dtype}{list(shape)}")
+
+
+def export_prefill(buffers: CacheBuffers, cfg: ModelConfig, tp: int, layout: dict, model_identity: str,
+                   request_id: str, prompt_token_ids: list[int], block_hashes: list[bytes], block_table: list[int],
+                   state_row: int, first: SampledToken, finish: tuple) -> PrefillBundle:
     """The bundle of a request whose prompt step just ran (its blocks and live row still hold what it wrote)."""
     n, bs = len(prompt_token_ids), layout["block_size"]
     num_blocks = -(-n // bs)
@@ -92,7 +134,8 @@ def export_prefill(buffers: CacheBuffers, cfg: ModelConfig, tp: int, layout: dic
     token = {"token_id": first.token_id, "logprob": first.logprob, "rank": first.rank,
              "top_ids": None if first.top_ids is None else np.asarray(first.top_ids).tolist(),
              "top_logprobs": None if first.top_logprobs is None else np.asarray(first.top_logprobs).tolist()}
-    meta = {"request_id": request_id, "prompt_token_ids": list(prompt_token_ids), "layout": layout,
+    meta = {"request_id": request_id, "model_identity": model_identity, "prompt_token_ids": list(prompt_token_ids),
+            "layout": layout,
             "block_hashes": [h.hex() for h in block_hashes], "num_blocks": num_blocks, "first_token": token,
             "finish_reason": finish[0], "stop_reason": finish[1]}
     return PrefillBundle(meta, arrays)
@@ -129,6 +172,7 @@ def stage_transferred(source: BundleSource, num_held_blocks: int, buffers: Cache
     missing = meta["num_blocks"] - num_held_blocks
     num_layers = len(buffers.kv)
     fetched = source.fetch(num_held_blocks, num_layers)
+    check_arrays(fetched, expected_arrays(meta, num_held_blocks, num_layers))
     have = meta["layout"]["num_model_kv_layers"] + meta["layout"]["num_mtp_kv_layers"]
     kv, block_bytes = [], 0
     for i, (k, _) in enumerate(buffers.kv):

@@ -220,11 +220,12 @@ class Scheduler:
                 produced = True
             seq.draft_token_ids = result.drafts.get(seq.request_id, [])
             self.cache.commit(seq.request_id, seq.token_view, seq.num_computed_tokens)
-            if seq.export_prefill and produced:          # its decoding goes on elsewhere (engine/pd_transfer.py)
+            # a prefill request's decoding goes on elsewhere (engine/pd_transfer.py), unless its first token ends it
+            if seq.export_prefill and produced and stop is None:
                 rid = seq.request_id
                 self.prefilled.append((seq, list(self.cache.block_table(rid)), self.cache.state_rows(rid)[1],
                                        result.sampled[rid]))
-                stop = stop or (PREFILLED, None)
+                stop = PREFILLED, None
             forked = self._fork(seq, it.forks, result) if it.forks else []
             if stop is not None:
                 self._finish(seq, stop)

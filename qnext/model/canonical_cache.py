@@ -1,5 +1,5 @@
 """The cache's contents in a layout that does not depend on the tensor-parallel size, for moving KV blocks and state
-rows between engines of different TP sizes (prefill/decode disaggregation, docs/scale.md).
+rows between engines of different TP sizes (prefill/decode disaggregation, docs/pd.md).
 
 Under tensor parallelism (qnext/model/tensor_parallel.py) the cache buffers, read back whole, are laid out for the
 devices: the model is `sharded_model_config(cfg, tp)` (KV heads and DeltaNet key heads repeated in place where tp

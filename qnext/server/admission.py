@@ -18,7 +18,7 @@ from typing import Sequence
 from qnext.engine.intake import validate_prompt
 from qnext.sampling_params import SamplingParams
 from qnext.server.chat_request import ChatInputs, ChatRequest, ChatTranslator
-from qnext.server.engine_loop import AsyncEngine, EngineStepError, EngineStoppedError, QueueFullError
+from qnext.server.engine_loop import AsyncEngine, EngineStepError, EngineStoppedError, QueueFullError, RequestError
 from qnext.server.errors import APIError, bad_request, engine_error
 from qnext.server.pd_serving import PD_REQUEST
 from qnext.server.prompt_bound import PromptBound
@@ -107,11 +107,10 @@ class Admission:
             prompt["multi_modal_data"] = multi_modal_data
         request_id = new_request_id(id_prefix)
         pd = PD_REQUEST.get()           # a PD router's request (server/pd_serving.py): its id, its prefill source
-        if pd is not None:
-            request_id = pd["request_id"]
-            if "prefill_url" in pd:
-                prompt["pd_source"] = pd
         try:
+            if pd is not None:
+                request_id = pd.request_id
+                prompt["pd"] = await pd.with_source()      # (a decode server reads its bundle's metadata)
             return await self.async_engine.add(request_id, prompt, params)
-        except (QueueFullError, EngineStoppedError, EngineStepError, ValueError) as e:
+        except (QueueFullError, EngineStoppedError, EngineStepError, RequestError, ValueError) as e:
             raise engine_error(e) from e

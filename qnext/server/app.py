@@ -16,7 +16,9 @@ from qnext.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddlewa
 from qnext.server.engine_loop import AsyncEngine
 from qnext.server.errors import install_error_handlers
 from qnext.server.metrics import CONTENT_TYPE, ServerMetrics, cache_usage
-from qnext.server.pd_serving import install_pd_routes, prefill_url_allow_list, role_engine
+from qnext.server.pd_options import PDOptions
+from qnext.server.pd_role_engines import role_engine
+from qnext.server.pd_serving import install_pd_routes
 from qnext.server.serving import OpenAIServing
 from qnext.vision.media import MediaLimits
 
@@ -36,19 +38,16 @@ def build_async_engine(engine, *, max_waiting_requests: int, model_name: str,
 def build_app(engine, *, model_name: str, aliases: Sequence[str] = (), max_waiting_requests: int = 256,
               tool_call_parser: str | None = None, reasoning_parser: str | None = None, api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, async_engine=None, metrics=None,
-              media_limits: MediaLimits = MediaLimits(), pd_role: str | None = None,
-              pd_transfer_host: str = "127.0.0.1", pd_prefill_urls: Sequence[str] = ()) -> FastAPI:
+              media_limits: MediaLimits = MediaLimits(), pd: PDOptions | None = None) -> FastAPI:
     """An app serving `engine` (an LLMEngine, or anything with its methods) as `model_name` (and `aliases`).
     Starting the app starts the engine thread; stopping it aborts what is left and joins the thread.
     tool_call_parser / reasoning_parser: parser names (None: chosen from the chat template; "none": off). With
     `api_key`, /v1 routes want it (auth.py); bodies past `max_request_bytes` get 413 (body_limit.py).
     `async_engine` and `metrics` replace the one engine loop (data parallelism: qnext/server/data_parallel.py).
-    media_limits: pictures per request, bytes, pixels, URL fetching (qnext/vision/media.py). pd_role: "prefill" or
-    "decode", one side of prefill/decode disaggregation (server/pd_serving.py); pd_prefill_urls: the prefill servers
-    a decode server may fetch from."""
-    prefill_urls = prefill_url_allow_list(pd_role, pd_prefill_urls)   # checked before anything starts
-    if pd_role is not None:
-        engine = role_engine(engine, pd_role)
+    media_limits: pictures per request, bytes, pixels, URL fetching (qnext/vision/media.py). pd: one side of
+    prefill/decode disaggregation, its links and limits (server/pd_options.py, pd_serving.py)."""
+    if pd is not None:
+        engine = role_engine(engine, pd)
     if async_engine is None:
         async_engine, metrics = build_async_engine(engine, max_waiting_requests=max_waiting_requests,
                                                    model_name=model_name)
@@ -69,8 +68,8 @@ def build_app(engine, *, model_name: str, aliases: Sequence[str] = (), max_waiti
     app.state.async_engine, app.state.metrics = async_engine, metrics
     install_error_handlers(app, metrics.count_error)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
-    if pd_role is not None:
-        install_pd_routes(app, engine, pd_role, pd_transfer_host, prefill_urls)
+    if pd is not None:
+        install_pd_routes(app, engine, pd)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)       # outermost: refused before the body is read
 

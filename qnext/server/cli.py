@@ -92,18 +92,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-parallel-backend", default="process", choices=["process", "thread"],
                    help="with --data-parallel-size > 1: each replica in a process of its own (its own devices and "
                         "Python), or all as threads of the HTTP process")
-    p.add_argument("--pd-role", choices=["prefill", "decode"], default=None,
-                   help="one side of prefill/decode disaggregation behind `qnext pd-router` (docs/scale.md)")
-    p.add_argument("--pd-transfer-host", default="127.0.0.1",
-                   help="with --pd-role: the address this process's JAX transfer server listens on")
-    p.add_argument("--pd-prefill-url", action="append", default=[], metavar="URL",
-                   help="with --pd-role decode (needed there; repeat for several): a prefill server this server may "
-                        "fetch from; a request naming any other gets a 400")
     from qnext.distributed.cluster_secret import add_cluster_secret_arguments
     from qnext.server.multinode import add_multinode_arguments
+    from qnext.server.pd_options import add_pd_arguments
 
+    add_pd_arguments(p)
     add_multinode_arguments(p)
-    add_cluster_secret_arguments(p)
+    add_cluster_secret_arguments(p)     # one secret for every internal link: PD's and the ranks'
 
 
 def add_pd_router_arguments(p: argparse.ArgumentParser) -> None:
@@ -179,9 +174,9 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
         async_engine = metrics = None
         if args.data_parallel_size > 1 and args.pd_role:
             raise ValueError("--pd-role serves one engine; drop --data-parallel-size")
-        from qnext.server.pd_serving import prefill_url_allow_list
+        from qnext.server.pd_options import pd_options_from_args
 
-        prefill_url_allow_list(args.pd_role, args.pd_prefill_url)     # before the model loads: minutes
+        pd = pd_options_from_args(args)                                # before the model loads: minutes
         pictures = media_limits(args)                                  # the same: a bad media flag is a ValueError
         if args.data_parallel_size > 1:
             from qnext.server.data_parallel import build_replicas
@@ -199,8 +194,7 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
     app = build_app(engine, model_name=names[0], aliases=names[1:], max_waiting_requests=args.max_waiting_requests,
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                     api_key=args.api_key, max_request_bytes=args.max_request_bytes, async_engine=async_engine,
-                    metrics=metrics, media_limits=pictures, pd_role=args.pd_role,
-                    pd_transfer_host=args.pd_transfer_host, pd_prefill_urls=args.pd_prefill_url)
+                    metrics=metrics, media_limits=pictures, pd=pd)
     return run_uvicorn(app, args)
 
 

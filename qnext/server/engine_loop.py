@@ -33,6 +33,15 @@ class EngineStoppedError(Exception):
     """The engine loop has stopped (shutdown or a fatal error)."""
 
 
+class RequestError(Exception):
+    """The engine refused or failed this one request, its neighbours going on; `status` is the HTTP status it means
+    (4xx: the client's request was at fault; 5xx: a peer or the server was)."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
+
+
 @dataclasses.dataclass
 class EngineSnapshot:
     """What the engine thread publishes after each step, for /metrics and /health."""
@@ -45,7 +54,10 @@ class EngineSnapshot:
 
 class AsyncEngine:
     """Owns an LLMEngine through one background thread. `observer` (metrics) gets on_first_token(stream) and
-    on_finish(stream, output) calls from the engine thread; `usage_of(engine)` reads pool usage there."""
+    on_finish(stream, output) calls from the engine thread; `usage_of(engine)` reads pool usage there.
+
+    An engine whose requests can fail one by one between steps (a PD decode engine's transfers) has
+    `take_failed_requests() -> [(request_id, RequestError)]`; after each step those requests get their error."""
 
     def __init__(self, engine, *, max_waiting_requests: int, observer=None,
                  usage_of: Callable[[Any], dict] | None = None, idle_wake_s: float | None = None,
@@ -203,7 +215,8 @@ class AsyncEngine:
         try:
             self.engine.add_request(stream.request_id, prompt, params)
         except Exception as e:       # bad input (ValueError) goes back to the client; the loop goes on
-            stream.resolve_admission(e if isinstance(e, ValueError) else EngineStepError(f"add_request: {e!r}"))
+            refused = isinstance(e, (ValueError, RequestError))
+            stream.resolve_admission(e if refused else EngineStepError(f"add_request: {e!r}"))
             return
         self._live[stream.request_id] = stream
         stream.resolve_admission(None)
@@ -228,7 +241,10 @@ class AsyncEngine:
         except Exception as e:
             logger.exception("engine step failed")
             self._fail(self._affected_by_failed_step(), EngineStepError(f"the engine step failed: {e!r}"))
-            return
+            outputs = []
+        take_failed = getattr(self.engine, "take_failed_requests", None)
+        for request_id, error in take_failed() if take_failed is not None else ():
+            self._fail([request_id], error)
         for out in outputs:
             stream = self._live.get(out.request_id)
             if stream is not None:

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from qnext.server.api_shapes import anthropic_error_body, is_anthropic_path
-from qnext.server.engine_loop import EngineStepError, EngineStoppedError, QueueFullError
+from qnext.server.engine_loop import EngineStepError, EngineStoppedError, QueueFullError, RequestError
 
 logger = logging.getLogger("qnext.server")
 
@@ -46,6 +46,8 @@ def engine_error(e: Exception) -> APIError:
                         headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if isinstance(e, EngineStoppedError):
         return APIError(503, str(e), type="server_error", code="engine_stopped")
+    if isinstance(e, RequestError):
+        return APIError(e.status, str(e), type="invalid_request_error" if e.status < 500 else "server_error")
     if isinstance(e, EngineStepError):
         return APIError(500, str(e), type="server_error", code="engine_step_failed")
     if isinstance(e, ValueError):                  # anything add_request still refuses

@@ -1,5 +1,5 @@
 """`qnext pd-router --prefill URL [--prefill URL ...] --decode URL [--decode URL ...]`: the front of prefill/decode
-disaggregation (docs/scale.md).
+disaggregation (docs/pd.md).
 
 For each completion or chat completion, one prefill and one decode server are chosen (pd_choice.py: the one whose
 earlier requests share the longest prefix with it, else the least busy); the body goes to the prefill server (not
@@ -7,7 +7,8 @@ streamed) under a fresh id in the
 `x-qnext-pd` header; when it answers finish_reason "prefilled", the same body goes to the decode server with the
 prefill server's address and that id, and the decode server's answer (JSON or the event stream) is passed
 through as it comes. A request the first token already ended, or one with n > 1, goes to the decode server
-plainly. Other routes (/v1/models) are the first decode server's; /health asks every server.
+plainly. A server that cannot be reached is a 503 naming it. Other routes (/v1/models) are the first decode
+server's; /health asks every server.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from starlette.background import BackgroundTask
 from qnext.server.pd_choice import InstanceChooser, prefix_chain
 from qnext.server.pd_mover import PD_HEADER
 
+# the client's headers that reach the servers behind the router: its API key only (never a cluster secret header
+# SECRET_HEADER, nor an x-qnext-pd header of its own: the router writes that one)
 FORWARDED_HEADERS = ("authorization", "x-api-key")
 
 
@@ -61,11 +64,13 @@ def build_pd_router(prefill_urls: list[str] | str, decode_urls: list[str] | str,
             try:
                 prefilled = await client.post(prefill_url + path, json=prefill_body,
                                               headers={**headers, PD_HEADER: json.dumps({"request_id": request_id})})
+            except httpx.HTTPError as e:
+                return _unavailable("prefill", prefill_url, e)
             finally:
                 prefills.finished(p)
             if prefilled.status_code != 200:
                 return Response(prefilled.content, prefilled.status_code, media_type="application/json")
-            if prefilled.json()["choices"][0].get("finish_reason") == "prefilled":
+            if _finish_reason(prefilled) == "prefilled":
                 decode_headers[PD_HEADER] = json.dumps({"request_id": request_id, "prefill_url": prefill_url,
                                                         "prefill_request_id": request_id})
         d = decodes.choose(chain)
@@ -73,6 +78,9 @@ def build_pd_router(prefill_urls: list[str] | str, decode_urls: list[str] | str,
         try:
             return await _passed_through(client, decodes.urls[d] + path, body, decode_headers,
                                          done=lambda: decodes.finished(d))
+        except httpx.HTTPError as e:
+            decodes.finished(d)
+            return _unavailable("decode", decodes.urls[d], e)
         except BaseException:
             decodes.finished(d)
             raise
@@ -94,11 +102,28 @@ def build_pd_router(prefill_urls: list[str] | str, decode_urls: list[str] | str,
 
     @app.get("/v1/models")
     async def models(request: Request):
-        answer = await client.get(decodes.urls[0] + "/v1/models",
-                                  headers={k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS})
+        try:
+            answer = await client.get(decodes.urls[0] + "/v1/models",
+                                      headers={k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS})
+        except httpx.HTTPError as e:
+            return _unavailable("decode", decodes.urls[0], e)
         return Response(answer.content, answer.status_code, media_type="application/json")
 
     return app
+
+
+def _finish_reason(answer: httpx.Response) -> str | None:
+    try:
+        return answer.json()["choices"][0].get("finish_reason")
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+
+
+def _unavailable(role: str, url: str, e: httpx.HTTPError) -> JSONResponse:
+    """A server behind the router that cannot be reached (or did not answer in time): 503 saying which and why."""
+    why = "did not answer in time" if isinstance(e, httpx.TimeoutException) else f"cannot be reached ({e!r})"
+    return JSONResponse({"error": {"message": f"the {role} server {url} {why}; retry later", "type": "server_error",
+                                   "code": f"{role}_unavailable"}}, 503, headers={"Retry-After": "1"})
 
 
 async def _passed_through(client: httpx.AsyncClient, url: str, body, headers: dict, done) -> Response:

@@ -1,172 +1,143 @@
-"""`qnext serve --pd-role prefill|decode`: one side of prefill/decode disaggregation (docs/scale.md).
+"""`qnext serve --pd-role prefill|decode`: one side of prefill/decode disaggregation (docs/pd.md).
 
 The router (qnext/server/pd_router.py) sends a request's body to a prefill server with the header
 `x-qnext-pd: {"request_id": ID}`, then the same body to a decode server with
 `x-qnext-pd: {"request_id": ID2, "prefill_url": URL, "prefill_request_id": ID}`. Every API route works unchanged:
 the header reaches Admission through a context variable (set by `PDHeaderMiddleware` around the request), which
-names the engine request after it and hands the decode side's source to the engine adapter.
+names the engine request after it and, on a decode server, reads the bundle's metadata (off the engine thread,
+within --pd-timeout) before the request reaches the engine (pd_role_engines.py).
 
-- prefill: every request runs its prompt and stops after the first token (finish_reason "prefilled" unless that
-  token ends it); its bundle waits in the engine's PrefillExports for the decode side, which reads the metadata at
-  GET /pd/bundles/{id} and asks for the missing blocks at POST /pd/bundles/{id}/pull (pd_mover.py).
+- prefill: a request with the header runs its prompt and stops after the first token (finish_reason "prefilled"
+  unless that token ends it); its bundle waits in the engine's PrefillExports for the decode side, which reads the
+  metadata at GET /pd/bundles/{id} and asks for the missing blocks at POST /pd/bundles/{id}/pull (pd_mover.py).
+  A request without the header is served whole, as by any server.
 - decode: a request with the header fetches what its cache lacks from the prefill server and decodes from the
   first token on; a request without it is served as by any server. Any client can send the header, so the decode
   server fetches only from the prefill servers it was started with (`--pd-prefill-url`, repeatable): a header
-  naming another address is a 400, and nothing is fetched.
+  naming another address, or ids other than letters, digits, '-' and '_', is a 400, and nothing is fetched.
+
+/pd/* wants the cluster secret (header x-qnext-cluster-key) when the server has one (docs/security.md).
 """
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextvars
+import dataclasses
 import json
 import logging
-import urllib.parse
-
-import httpx
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from qnext.server.pd_mover import PD_HEADER, PrefillMover, RemoteBundle
+from qnext.distributed.cluster_secret import SECRET_HEADER, ClusterSecret
+from qnext.server.engine_loop import RequestError
+from qnext.server.pd_mover import PD_HEADER, PrefillMover, RemoteBundle, check_pd_id, read_bundle_meta
+from qnext.server.pd_options import PDOptions
 
 logger = logging.getLogger("qnext.server")
 
-PD_ROLES = ("prefill", "decode")
-PD_REQUEST: contextvars.ContextVar[dict | None] = contextvars.ContextVar("qnext_pd_request", default=None)
+PD_PREFIX = "/pd/"
 
 
-def prefill_url_allow_list(role: str | None, prefill_urls) -> tuple[str, ...]:
-    """`--pd-prefill-url` checked against `--pd-role`: the prefill servers (http(s)://host:port) a decode server may
-    fetch from, without a trailing slash. A decode server needs at least one; other roles take none."""
-    urls = tuple(u.rstrip("/") for u in prefill_urls or ())
-    if role == "decode" and not urls:
-        raise ValueError("--pd-role decode needs --pd-prefill-url URL (repeatable): the prefill servers it may fetch "
-                         "from; the x-qnext-pd header of a request names one of them")
-    if role != "decode" and urls:
-        raise ValueError("--pd-prefill-url is for --pd-role decode")
-    for url in urls:
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.netloc or parts.path or parts.query:
-            raise ValueError(f"--pd-prefill-url {url!r} is not a server's base URL (http(s)://host:port)")
-    return urls
+@dataclasses.dataclass(frozen=True)
+class PDRequest:
+    """A request's x-qnext-pd header, checked; `source` is set by `with_source` (decode side)."""
+    request_id: str
+    options: PDOptions
+    prefill_url: str | None = None
+    prefill_request_id: str | None = None
+    source: RemoteBundle | None = None
+
+    async def with_source(self) -> "PDRequest":
+        """This request with its prefill bundle's metadata read (None: no prefill_url, or the prefill server has
+        no such bundle any more, and the decode server computes the prompt itself). RequestError 504 / 502 when the
+        prefill server does not answer in time / answers wrongly."""
+        if self.prefill_url is None:
+            return self
+        o = self.options
+        try:
+            meta = await asyncio.wait_for(asyncio.to_thread(read_bundle_meta, self.prefill_url,
+                                                            self.prefill_request_id, o.timeout_s, o.secret),
+                                          o.timeout_s + 1.0)
+        except asyncio.TimeoutError:
+            raise RequestError(f"the prefill server {self.prefill_url} did not send bundle "
+                               f"{self.prefill_request_id!r}'s metadata within --pd-timeout {o.timeout_s:g} s",
+                               504) from None
+        if meta is None:
+            logger.warning("request %s: the prefill server %s has no bundle %r; computing its prompt here",
+                           self.request_id, self.prefill_url, self.prefill_request_id)
+            return self
+        source = RemoteBundle(self.prefill_url, self.prefill_request_id, meta, o.timeout_s, o.secret,
+                              o.transfer_host)
+        return dataclasses.replace(self, source=source)
+
+
+PD_REQUEST: contextvars.ContextVar[PDRequest | None] = contextvars.ContextVar("qnext_pd_request", default=None)
+
+
+def parse_pd_header(raw: bytes, options: PDOptions) -> PDRequest:
+    """ValueError saying what is wrong with an x-qnext-pd header's value."""
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ValueError(f"the {PD_HEADER} header must be a JSON object with a string request_id")
+    request_id = check_pd_id(value.get("request_id"), f"the {PD_HEADER} header's request_id")
+    url = value.get("prefill_url")
+    if url is None:
+        return PDRequest(request_id, options)
+    if not isinstance(url, str) or url.rstrip("/") not in options.prefill_urls:
+        allowed = ", ".join(options.prefill_urls) or "none: this is not a decode server"
+        raise ValueError(f"the {PD_HEADER} header's prefill_url {url!r} is not a prefill server this server may "
+                         f"fetch from (--pd-prefill-url: {allowed})")
+    prefill_id = check_pd_id(value.get("prefill_request_id"), f"the {PD_HEADER} header's prefill_request_id")
+    return PDRequest(request_id, options, url.rstrip("/"), prefill_id)
 
 
 class PDHeaderMiddleware:
     """Sets PD_REQUEST from the `x-qnext-pd` header for the request's whole handling (pure ASGI, so the route's
-    task sees it). A 400, before the body is read: a header that is not a JSON object with a string request_id, and
-    a prefill_url that is not in `prefill_urls` (the decode server's allow-list; empty on a prefill server)."""
+    task sees it); a header parse_pd_header refuses is a 400, before the body is read."""
 
-    def __init__(self, app, prefill_urls: tuple[str, ...] = ()):
-        self.app, self.prefill_urls = app, prefill_urls
+    def __init__(self, app, options: PDOptions):
+        self.app, self.options = app, options
 
     async def __call__(self, scope, receive, send):
         raw = dict(scope.get("headers") or []).get(PD_HEADER.encode()) if scope["type"] == "http" else None
         if raw is None:
             return await self.app(scope, receive, send)
         try:
-            value = json.loads(raw)
-            if not isinstance(value, dict) or not isinstance(value.get("request_id"), str):
-                raise ValueError
-        except ValueError:
-            return await _bad_header(f"the {PD_HEADER} header must be a JSON object with a string request_id",
-                                     scope, receive, send)
-        url = value.get("prefill_url")
-        if url is not None and (not isinstance(url, str) or url.rstrip("/") not in self.prefill_urls):
-            allowed = ", ".join(self.prefill_urls) or "none: this is not a decode server"
-            return await _bad_header(f"the {PD_HEADER} header's prefill_url {url!r} is not a prefill server this "
-                                     f"server may fetch from (--pd-prefill-url: {allowed})", scope, receive, send)
-        token = PD_REQUEST.set(value)
+            pd = parse_pd_header(raw, self.options)
+        except ValueError as e:
+            return await _error(400, str(e), "invalid_request_error", scope, receive, send)
+        token = PD_REQUEST.set(pd)
         try:
             await self.app(scope, receive, send)
         finally:
             PD_REQUEST.reset(token)
 
 
-async def _bad_header(message: str, scope, receive, send) -> None:
-    response = JSONResponse({"error": {"message": message, "type": "invalid_request_error"}}, 400)
-    await response(scope, receive, send)
+class ClusterSecretMiddleware:
+    """/pd/* wants the cluster secret in SECRET_HEADER (constant-time): 401 without it, 403 with another one."""
+
+    def __init__(self, app, secret: ClusterSecret):
+        self.app, self.secret = app, secret
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith(PD_PREFIX):
+            return await self.app(scope, receive, send)
+        presented = dict(scope.get("headers") or []).get(SECRET_HEADER.encode())
+        if self.secret.matches(presented):
+            return await self.app(scope, receive, send)
+        if presented is None:
+            return await _error(401, f"{PD_PREFIX}* wants the cluster secret in the {SECRET_HEADER} header",
+                                "authentication_error", scope, receive, send)
+        await _error(403, "wrong cluster secret", "permission_error", scope, receive, send)
 
 
-class _RoleEngine:
-    """The engine as the engine loop sees it, with add_request taking the request's PD role."""
-
-    def __init__(self, engine):
-        self._engine = engine
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-
-class PrefillRoleEngine(_RoleEngine):
-    def add_request(self, request_id, prompt, params=None):
-        self._engine.add_prefill_request(request_id, prompt, params)
-
-
-class DecodeRoleEngine(_RoleEngine):
-    """A request with a prefill source: its hold and checks on the engine thread, its fetch on a worker thread
-    (the engine keeps stepping meanwhile), its admission on the engine thread once the arrays are here (`step`).
-    A transfer that fails is logged and the request computed here instead, from its prompt."""
-
-    def __init__(self, engine, max_fetches: int = 4):
-        super().__init__(engine)
-        self._fetches = concurrent.futures.ThreadPoolExecutor(max_fetches, thread_name_prefix="qnext-pd-fetch")
-        self._pending: dict[str, tuple] = {}     # request id -> (PendingTransfer, future, prompt, params)
-
-    def add_request(self, request_id, prompt, params=None):
-        source = prompt.pop("pd_source", None) if isinstance(prompt, dict) else None
-        if source is None:
-            return self._engine.add_request(request_id, prompt, params)
-        url, prefill_id = source.get("prefill_url"), source.get("prefill_request_id")
-        if not isinstance(url, str) or not isinstance(prefill_id, str):
-            raise ValueError(f"the {PD_HEADER} header of a decode request needs prefill_url and prefill_request_id")
-        if request_id in self._pending:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        try:
-            bundle = RemoteBundle(url, prefill_id)
-        except (ValueError, httpx.HTTPError) as e:
-            logger.warning("request %s: no prefill bundle (%s); computing its prompt here", request_id, e)
-            return self._engine.add_request(request_id, prompt, params)
-        pending = self._engine.begin_transferred_request(request_id, prompt, params, bundle.meta)
-        self._pending[request_id] = (pending, self._fetches.submit(pending.fetch, bundle), prompt, params)
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self._pending) or self._engine.has_unfinished_requests()
-
-    @property
-    def num_waiting(self) -> int:
-        return self._engine.num_waiting + len(self._pending)
-
-    def step(self):
-        if self._pending and not self._engine.has_unfinished_requests():     # only fetches: wait for one
-            concurrent.futures.wait([f for _, f, _, _ in self._pending.values()], timeout=0.05,
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
-        for request_id, (pending, future, prompt, params) in list(self._pending.items()):
-            if not future.done():
-                continue
-            del self._pending[request_id]
-            if future.exception() is None:
-                self._engine.finish_transferred_request(pending)
-                continue
-            logger.warning("request %s: its transfer failed (%r); computing its prompt here", request_id,
-                           future.exception())
-            self._engine.cancel_transferred_request(pending)
-            self._engine.add_request(request_id, prompt, params)
-        return self._engine.step() if self._engine.has_unfinished_requests() else []
-
-    def abort_request(self, request_id):
-        entry = self._pending.pop(request_id, None)
-        if entry is None:
-            return self._engine.abort_request(request_id)
-        self._engine.cancel_transferred_request(entry[0])     # its fetch, if still running, is dropped when done
-        return None
-
-
-def role_engine(engine, role: str):
-    if role not in PD_ROLES:
-        raise ValueError(f"--pd-role must be one of {PD_ROLES}, got {role!r}")
-    return PrefillRoleEngine(engine) if role == "prefill" else DecodeRoleEngine(engine)
+async def _error(status: int, message: str, kind: str, scope, receive, send) -> None:
+    await JSONResponse({"error": {"message": message, "type": kind}}, status)(scope, receive, send)
 
 
 class PullRequest(BaseModel):
@@ -174,14 +145,14 @@ class PullRequest(BaseModel):
     num_kv_layers: int
 
 
-def install_pd_routes(app: FastAPI, engine, role: str, transfer_host: str = "127.0.0.1",
-                      prefill_urls: tuple[str, ...] = ()) -> None:
-    """The header middleware, and on a prefill server the bundle routes. prefill_urls: a decode server's
-    allow-list, as prefill_url_allow_list returns it."""
-    app.add_middleware(PDHeaderMiddleware, prefill_urls=prefill_urls)
-    if role != "prefill":
+def install_pd_routes(app: FastAPI, engine, options: PDOptions) -> None:
+    """The header middleware, and on a prefill server the bundle routes (behind the secret when there is one)."""
+    app.add_middleware(PDHeaderMiddleware, options=options)
+    if options.secret is not None:
+        app.add_middleware(ClusterSecretMiddleware, secret=options.secret)
+    if options.role != "prefill":
         return
-    exports, mover = engine.prefill_exports, PrefillMover(transfer_host)
+    exports, mover = engine.prefill_exports, PrefillMover(options.transfer_host, options.offer_ttl_s)
 
     @app.get("/pd/bundles/{request_id}")
     async def bundle_meta(request_id: str):
@@ -195,9 +166,11 @@ def install_pd_routes(app: FastAPI, engine, role: str, transfer_host: str = "127
         bundle = exports.take(request_id)        # one pull per bundle
         if bundle is None:
             return _no_bundle(request_id)
-        if not 0 <= body.first_block <= bundle.meta["num_blocks"]:
+        if not 0 <= body.first_block <= bundle.meta["num_blocks"] or body.num_kv_layers < 0:
             return JSONResponse({"error": {"message": f"first_block {body.first_block} is outside the bundle's "
-                                           f"{bundle.meta['num_blocks']} blocks"}}, 400)
+                                           f"{bundle.meta['num_blocks']} blocks, or num_kv_layers "
+                                           f"{body.num_kv_layers} is negative", "type": "invalid_request_error"}},
+                                400)
         return await asyncio.to_thread(mover.prepare, bundle, body.first_block, body.num_kv_layers)
 
 

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from qnext.agents import OutputParser
 from qnext.agents.events import Event
-from qnext.server.engine_loop import EngineStepError, EngineStoppedError
+from qnext.server.engine_loop import EngineStepError, EngineStoppedError, RequestError
 from qnext.server.errors import APIError, engine_error
 from qnext.server.request_stream import RequestStream, StreamDelta
 
@@ -64,7 +64,7 @@ class ChoiceParsers:
 
 async def drive(stream: RequestStream, parsers: ChoiceParsers | None, sink: OutputSink) -> AsyncIterator[str]:
     """Runs the request to its end, yielding the sink's events; parsers None: no parsing (completions). Engine
-    failures propagate (EngineStepError, EngineStoppedError)."""
+    failures propagate (EngineStepError, EngineStoppedError, RequestError)."""
     for e in sink.open():
         yield e
     async for d in stream:
@@ -100,7 +100,7 @@ async def _events(stream: RequestStream, parsers: ChoiceParsers | None, sink: Ou
             yield e
         if on_done is not None:
             on_done()
-    except (EngineStepError, EngineStoppedError) as e:
+    except (EngineStepError, EngineStoppedError, RequestError) as e:
         for event in sink.error(engine_error(e)):
             yield event
     finally:
@@ -121,7 +121,7 @@ async def _run_to_end(stream: RequestStream, parsers: ChoiceParsers | None, sink
             if not task.done() and await request.is_disconnected():
                 return False
         task.result()
-    except (EngineStepError, EngineStoppedError) as e:
+    except (EngineStepError, EngineStoppedError, RequestError) as e:
         raise engine_error(e) from e
     finally:
         task.cancel()

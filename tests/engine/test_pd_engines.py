@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation between engines in one process (qnext/engine/pd_transfer.py, docs/scale.md):
+"""Prefill/decode disaggregation between engines in one process (qnext/engine/pd_transfer.py, docs/pd.md):
 greedy outputs equal one instance's, token for token (and each token's logprob within 1e-4), over 100+ short
 prompts (a few tokens to 3 blocks, some sharing prefixes) across TP1 -> TP2 and TP2 -> TP1, with and without the
 decode side's own cached prefix, with MTP on the decode side (TP2 -> TP1 + MTP) and on the prefill side (its head's
@@ -9,6 +9,7 @@ The engines run in a subprocess with two (four) XLA host devices (the flag must 
 from __future__ import annotations
 
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -165,30 +166,111 @@ def test_canonical_layout_undoes_device_major_conv_channels_and_replicated_heads
     np.testing.assert_array_equal(kv_from_canonical(pages, cfg, 2), pages)
 
 
-def test_refusals_say_why_and_an_aborted_transfer_releases_its_blocks(tiny_checkpoint):
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    from qnext.engine.llm_engine import LLMEngine
+
+    return LLMEngine(tiny_checkpoint("qwen3_5"), max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128,
+                     block_size=16, num_gpu_blocks_override=32)
+
+
+GREEDY = dict(temperature=0, max_tokens=3, ignore_eos=True)
+PROMPT = {"prompt_token_ids": list(range(3, 40))}
+
+
+def _prefilled(engine, request_id: str, params=None):
+    from qnext import SamplingParams
+
+    engine.add_prefill_request(request_id, PROMPT, params or SamplingParams(**GREEDY))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    return outputs, engine.take_prefill_bundle(request_id)
+
+
+def test_refusals_say_why_and_an_aborted_transfer_releases_its_blocks(engine):
     import dataclasses
 
     from qnext import SamplingParams
-    from qnext.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(tiny_checkpoint("qwen3_5"), max_num_seqs=2, max_num_batched_tokens=64, max_model_len=128,
-                       block_size=16, num_gpu_blocks_override=32)
-    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    prompt = {"prompt_token_ids": list(range(3, 40))}
+    greedy = SamplingParams(**GREEDY)
     with pytest.raises(ValueError, match="n=1"):
-        engine.add_prefill_request("two", prompt, SamplingParams(n=2, max_tokens=3))
-    engine.add_prefill_request("a", prompt, greedy)
-    while engine.has_unfinished_requests():
-        engine.step()
-    bundle = engine.take_prefill_bundle("a")
+        engine.add_prefill_request("two", PROMPT, SamplingParams(n=2, max_tokens=3))
+    _, bundle = _prefilled(engine, "a")
     assert engine.take_prefill_bundle("a") is None                     # taken once
     with pytest.raises(ValueError, match="is not this request's"):
         engine.add_transferred_request("b", {"prompt_token_ids": list(range(4, 41))}, greedy, bundle)
     other = dataclasses.replace(bundle, meta={**bundle.meta, "layout": {**bundle.meta["layout"], "block_size": 8}})
     with pytest.raises(ValueError, match="block_size=8"):
-        engine.add_transferred_request("b", prompt, greedy, other)
+        engine.add_transferred_request("b", PROMPT, greedy, other)
     free = engine.cache.manager.num_free_blocks
-    engine.add_transferred_request("b", prompt, greedy, bundle)        # holds its 2 cached full blocks
+    engine.add_transferred_request("b", PROMPT, greedy, bundle)        # holds its 2 cached full blocks
     assert engine.cache.manager.num_free_blocks == free - 2
     engine.abort_request("b")
     assert engine.cache.manager.num_free_blocks == free
+
+
+class _Source:
+    """A prefill side that tells the truth, or lies as told: its metadata, or arrays other than announced."""
+
+    def __init__(self, bundle, meta=None, short: str | None = None):
+        self.bundle, self.meta, self.short, self.fetched = bundle, meta or bundle.meta, short, []
+
+    def fetch(self, first_block, num_kv_layers):
+        self.fetched.append(first_block)
+        arrays = self.bundle.fetch(first_block, num_kv_layers)
+        if self.short is not None:
+            arrays[self.short] = arrays[self.short][:-1]
+        return arrays
+
+
+def test_a_lying_or_unfit_prefill_side_is_refused_before_its_arrays_touch_the_cache(engine):
+    from qnext import SamplingParams
+    from qnext.engine.pd_transfer import PeerMismatchError
+
+    greedy = SamplingParams(**GREEDY)
+    _, bundle = _prefilled(engine, "c")
+    free = engine.cache.manager.num_free_blocks
+    # another model (a fine-tune of the same base: same shapes, other weights)
+    liar = _Source(bundle, {**bundle.meta, "model_identity": "0" * 32})
+    with pytest.raises(PeerMismatchError, match="computes another model"):
+        engine.add_transferred_request("d", PROMPT, greedy, liar)
+    # a bundle claiming a million blocks (the decode side would pull whatever size it was told)
+    with pytest.raises(PeerMismatchError, match="1000000 blocks for 3"):
+        engine.add_transferred_request("d", PROMPT, greedy, _Source(bundle, {**bundle.meta, "num_blocks": 10**6}))
+    # a first token that ends the request here (max_tokens 1 on the decode side only): the client's error, seen
+    # before anything is held or fetched
+    ends = _Source(bundle)
+    with pytest.raises(ValueError, match="the first token ends this request here"):
+        engine.add_transferred_request("d", PROMPT, SamplingParams(temperature=0, max_tokens=1), ends)
+    assert ends.fetched == [] and liar.fetched == []
+    # arrays shorter than the metadata announced (a state row cut short)
+    for name in ("conv.0", "recurrent.0"):
+        with pytest.raises(PeerMismatchError, match=f"sent {name} as"):
+            engine.add_transferred_request("d", PROMPT, greedy, _Source(bundle, short=name))
+    assert engine.cache.manager.num_free_blocks == free and not engine.has_unfinished_requests()
+    engine.add_transferred_request("d", PROMPT, greedy, _Source(bundle))         # the truth still goes through
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_prefill_bundles_are_bounded_and_none_is_made_for_a_request_the_first_token_ends(engine):
+    from qnext import SamplingParams
+    from qnext.engine.pd_transfer import bundle_nbytes
+
+    outputs, bundle = _prefilled(engine, "one-token", SamplingParams(temperature=0, max_tokens=1))
+    assert outputs[-1].outputs[0].finish_reason == "length" and bundle is None
+    _, first = _prefilled(engine, "e")
+    engine.prefill_exports.limit(ttl_s=60, max_bytes=bundle_nbytes(first.arrays) + 1)   # room for one bundle
+    try:
+        for rid in ("f", "g"):
+            engine.add_prefill_request(rid, PROMPT, SamplingParams(**GREEDY))
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert engine.take_prefill_bundle("f") is None and engine.take_prefill_bundle("g") is not None
+        engine.prefill_exports.limit(ttl_s=1e-3, max_bytes=1 << 30)
+        _prefilled(engine, "h")
+        time.sleep(0.01)
+        assert engine.take_prefill_bundle("h") is None                 # expired
+    finally:
+        engine.prefill_exports.limit(ttl_s=120, max_bytes=1 << 30)

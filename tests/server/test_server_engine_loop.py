@@ -9,7 +9,7 @@ import pytest
 
 from qnext.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from qnext.sampling_params import SamplingParams
-from qnext.server.engine_loop import AsyncEngine, EngineStepError, EngineStoppedError, QueueFullError
+from qnext.server.engine_loop import AsyncEngine, EngineStepError, EngineStoppedError, QueueFullError, RequestError
 
 
 @dataclasses.dataclass
@@ -28,6 +28,8 @@ class FakeEngine:
         self.gate = threading.Event()
         self.gate.set()
         self.fail_at_step: int | None = None      # step number that raises instead of running
+        self.fail_request: tuple | None = None     # (request id, error): that request alone fails after 2 tokens
+        self._failed: list = []
 
     def add_request(self, request_id, prompt, params):
         if not prompt["prompt_token_ids"]:
@@ -44,6 +46,8 @@ class FakeEngine:
         for rid, r in self.requests.items():
             if r["finished"] is None:
                 r["tokens"].append(self.stats.num_steps)
+                if self.fail_request is not None and self.fail_request[0] == rid and len(r["tokens"]) == 2:
+                    self._failed.append(self.fail_request)
                 if len(r["tokens"]) == r["params"].max_tokens:
                     r["finished"] = "length"
                 outputs.append(self._output(rid))
@@ -53,6 +57,10 @@ class FakeEngine:
         r = self.requests[rid]
         completion = CompletionOutput(0, "", list(r["tokens"]), None, None, r["finished"])
         return RequestOutput(rid, None, [1], [completion], r["finished"] is not None, 0, RequestMetrics(0.0))
+
+    def take_failed_requests(self):
+        failed, self._failed = self._failed, []
+        return failed
 
     def abort_request(self, rid):
         if rid in self.requests and self.requests[rid]["finished"] is None:
@@ -155,6 +163,23 @@ def test_a_step_exception_fails_the_running_requests(loop_and_engine):
         return [d async for d in await async_engine.add("next", prompt(), SamplingParams(max_tokens=2))]
 
     assert run(main())[-1].output.finished
+    assert engine.requests == {}
+
+
+def test_a_request_the_engine_fails_alone_gets_its_error_and_the_others_go_on(loop_and_engine):
+    async_engine, engine = loop_and_engine
+
+    async def main():
+        engine.fail_request = ("b", RequestError("the peer lied", 502))
+        a = await async_engine.add("a", prompt(), SamplingParams(max_tokens=6))
+        b = await async_engine.add("b", prompt(), SamplingParams(max_tokens=1000))
+        with pytest.raises(RequestError, match="the peer lied") as failed:
+            async for _ in b:
+                pass
+        return failed.value.status, [d async for d in a]
+
+    status, deltas = run(main())
+    assert status == 502 and deltas[-1].output.finished and len(deltas[-1].output.outputs[0].token_ids) == 6
     assert engine.requests == {}
 
 
