@@ -24,7 +24,7 @@ import numpy as np
 
 from cache.device_buffers import CacheBuffers, gather_device_blocks, gather_live_rows
 from qnext.config import ModelConfig
-from qnext.engine.plan import SampledToken
+from qnext.engine.sampled_token import SampledToken
 from qnext.model.canonical_cache import conv_from_canonical, conv_to_canonical, kv_from_canonical, kv_to_canonical
 
 PREFILLED = "prefilled"        # finish_reason of a request whose decoding continues on a decode engine

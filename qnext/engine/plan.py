@@ -12,6 +12,7 @@ import dataclasses
 import numpy as np
 
 from cache.device_buffers import CacheBuffers
+from qnext.engine.sampled_token import SampledToken
 from qnext.engine.sequence import Sequence
 from qnext.model.buckets import Bucket
 from qnext.model.step_inputs import Segment
@@ -54,22 +55,6 @@ class StepPlan:
     # window budget (steps: tokens it may keep), its snapshot capture and its stop ids
     speculative: bool = False
     drafts: list[list[int]] | None = None
-
-
-@dataclasses.dataclass
-class SampledToken:
-    token_id: int
-    logprob: float
-    rank: int
-    top_ids: np.ndarray | None
-    top_logprobs: np.ndarray | None
-
-    @classmethod
-    def from_output(cls, out, index) -> "SampledToken":
-        """Entry `index` of a host copy of a sampler.SamplerOutput (top ids and logprobs None when it has none)."""
-        top = out.top_ids.shape[-1] > 0
-        return cls(int(out.token_ids[index]), float(out.logprobs[index]), int(out.ranks[index]),
-                   out.top_ids[index] if top else None, out.top_logprobs[index] if top else None)
 
 
 @dataclasses.dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence as Seq
 
-from qnext.engine.plan import SampledToken
+from qnext.engine.sampled_token import SampledToken
 from qnext.engine.sequence import Sequence, SequenceStatus
 from qnext.outputs import CompletionOutput, RequestMetrics, RequestOutput, logprobs_entry
 from qnext.sampling_params import SamplingParams

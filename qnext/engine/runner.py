@@ -16,7 +16,8 @@ from qnext.config import ModelConfig
 from qnext.engine.config import EngineConfig
 from qnext.engine.drafter import Drafter
 from qnext.engine.multi_step import MultiStep
-from qnext.engine.plan import SampledToken, ScheduledSequence, StepPlan, StepResult
+from qnext.engine.plan import ScheduledSequence, StepPlan, StepResult
+from qnext.engine.sampled_token import SampledToken
 from qnext.engine.sampler import sample
 from qnext.engine.sampling_inputs import SamplerInputBuilder, SamplingRow
 from qnext.engine.stats import EngineStats

@@ -19,8 +19,9 @@ from collections.abc import Sequence as Seq
 from qnext.engine.config import EngineConfig
 from qnext.engine.engine_cache import EngineCache
 from qnext.engine.pd_transfer import PREFILLED
-from qnext.engine.plan import SampledToken, ScheduledSequence, StepPlan, StepResult
+from qnext.engine.plan import ScheduledSequence, StepPlan, StepResult
 from qnext.engine.postprocess import Stop, append_sampled, append_window, mark_finished
+from qnext.engine.sampled_token import SampledToken
 from qnext.engine.sequence import Sequence, SequenceStatus
 from qnext.engine.window_plan import Work, multi_step_ok, speculative_ok, window_plan
 from qnext.model.buckets import BucketTable

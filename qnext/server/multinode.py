@@ -9,7 +9,7 @@ cluster secret, its rank, the checkpoint's identity, the engine options; a stran
 checkpoint is refused and changes nothing) and then heartbeats there (rank_heartbeat.py), so a rank that exits or
 hangs turns into 503s with the reason within --dist-timeout seconds (at once when it exits: the collectives fail),
 and a rank that never joins does the same once --dist-timeout has passed. SIGTERM on rank 0 drains, then stops
-every rank. Ranks beyond the loopback need --cluster-secret-file (docs/security-ranks.md)."""
+every rank. Ranks beyond the loopback need --cluster-secret-file (docs/security.md, "Multi-host ranks")."""
 from __future__ import annotations
 
 import argparse

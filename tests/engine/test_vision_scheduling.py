@@ -10,7 +10,8 @@ from cache import CacheConfig
 from qnext.engine.cache_setup import CacheSetup
 from qnext.engine.config import EngineConfig
 from qnext.engine.engine_cache import EngineCache
-from qnext.engine.plan import SampledToken, StepResult
+from qnext.engine.plan import StepResult
+from qnext.engine.sampled_token import SampledToken
 from qnext.engine.scheduler import Scheduler
 from qnext.engine.sequence import Sequence
 from qnext.engine.visual_request import sequence_visuals
