@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from qnext.soak.judge import (FaultWindow, Outcome, judge_idle, judge_outcomes, judge_resources,  # noqa: E402
                               resource_growth)
 from qnext.soak.monitor import ProcessMonitor  # noqa: E402
-from qnext.soak.requests import PROBES, WEIGHTS, RequestMix, Target  # noqa: E402
+from qnext.soak.requests import PROBES, REQUEST_DEADLINE_S, WEIGHTS, RequestMix, Target  # noqa: E402
 from qnext.soak.shapes import SHAPES, Shape  # noqa: E402
 
 IDLE_WAIT_S = 60.0
@@ -61,7 +61,8 @@ def run_load(mix: RequestMix, duration: float, concurrency: int, seed: int, shap
                 found = fault.inject(shape)
             except Exception as e:           # a fault that cannot be injected or checked is a failure of the run
                 found = [f"{fault.name}: {type(e).__name__}: {e}"]
-            windows.append(FaultWindow(fault.name, start, time.monotonic() - mix.t0, fault.shape_wide, fault.drains))
+            stop = duration + REQUEST_DEADLINE_S if fault.terminal else time.monotonic() - mix.t0
+            windows.append(FaultWindow(fault.name, start, stop, fault.shape_wide, fault.drains))
             problems.extend(f"{fault.name}: {p}" if not p.startswith("(") else p for p in found)
             log(f"  [{time.monotonic() - mix.t0:7.1f}s] fault over: {fault.name} {found or ''}")
 
@@ -95,18 +96,21 @@ def soak_shape(name: str, args, work_dir: Path, log=print) -> dict:
         mix.t0 = time.monotonic()
         log(f"{name}: load for {args.duration:.0f}s with {args.concurrency} clients")
         outcomes, windows, problems = run_load(mix, args.duration, args.concurrency, args.seed, shape, log)
-        wait_idle(shape)
+        offset = mix.t0 - monitor.t_start
+        terminal = [offset + f.at * args.duration for f in shape.faults if f.terminal]
+        if not terminal:                           # (a shape that lost a rank for good has no idle state to check)
+            wait_idle(shape)
         time.sleep(2 * args.sample_every)                              # idle samples close the window
         samples = monitor.stop()
-        idle = judge_idle(shape.metrics_text())
-        probes_after = {p: mix.probe(p) for p in PROBES}
-        growth = resource_growth(samples, (mix.t0 - monitor.t_start) + args.duration / 2)
+        idle = [] if terminal else judge_idle(shape.metrics_text())
+        probes_after = {} if terminal else {p: mix.probe(p) for p in PROBES}
+        growth = resource_growth(samples, offset + args.duration / 2, until=min(terminal, default=None))
     finally:
         exit_codes = shape.stop()
     verdict = judge_outcomes(outcomes, windows)
     wrong = (verdict.unexpected + [p for p in problems if not p.startswith("(")] + judge_resources(growth) + idle
              + [f"probe {p!r} after the load: {probes_after[p]!r} != alone {a!r}"
-                for p, a in mix.probe_answers.items() if probes_after[p] != a]
+                for p, a in mix.probe_answers.items() if p in probes_after and probes_after[p] != a]
              + [f"{k} exited {c} after SIGTERM" for k, c in exit_codes.items() if c not in (0, -9)])
     return {"shape": name, "duration_s": args.duration, "concurrency": args.concurrency,
             "requests": len(outcomes), "requests_per_s": round(len(outcomes) / args.duration, 2),

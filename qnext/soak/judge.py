@@ -76,9 +76,11 @@ def judge_outcomes(outcomes: list[Outcome], windows: list[FaultWindow]) -> Verdi
     return v
 
 
-def resource_growth(samples: list[Sample], second_half_from: float) -> dict:
-    """Growth of RSS (a fraction), fds and threads over the second half, on the processes alive at the end (a
-    window cut by a restart starts after it). Medians of the first and last three samples smooth single blips."""
+def resource_growth(samples: list[Sample], second_half_from: float, until: float | None = None) -> dict:
+    """Growth of RSS (a fraction), fds and threads over the second half (up to `until`, a terminal fault), on the
+    processes alive at its end (a window cut by a restart starts after it). Medians of the first and last three
+    samples smooth single blips."""
+    samples = [s for s in samples if until is None or s.t < until]
     if not samples:
         return {"error": "no samples"}
     last_pids = samples[-1].pids

@@ -5,6 +5,7 @@ single   one `qnext serve` with a persisted prefix cache: SIGTERM drains under l
          a corrupted cache file, a full disk under the cache's directory (a small tmpfs, where mount is allowed)
 dp       `--data-parallel-size 2` (replica processes): a replica stopped (SIGSTOP, a slow peer), a replica killed
 pd       a prefill server, a decode server and `qnext pd-router`: the prefill server stopped, killed, restarted
+ranks    two ranks of one engine (`--nnodes 2`): rank 1 killed near the end (the engine then answers 503s)
 Restarts happen in the first half of a run only: the second half measures resource growth on steady processes."""
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +40,7 @@ class Fault:
     inject: Callable[["Shape"], list[str]]
     shape_wide: bool = False     # the whole shape stops answering for a while (a restart)
     drains: bool = False         # SIGTERM: requests in flight must still be answered
+    terminal: bool = False       # the shape serves only designed 503s from then on (the window runs to the end)
 
 
 @dataclass
@@ -291,4 +294,44 @@ def kill_prefill(shape: PrefillDecode) -> list[str]:
     return []
 
 
-SHAPES = {"single": SingleServer, "dp": DataParallel, "pd": PrefillDecode}
+# ---- ranks ---------------------------------------------------------------------------------------------------------
+class MultiRank(Shape):
+    """Two ranks of one engine (`--nnodes 2` on the loopback). Losing a rank stops the engine for good (every rank
+    must restart), so its kill comes last: from then on every request is the designed 503 that names the rank, and
+    the resource window ends where the kill begins."""
+
+    def __init__(self, work_dir: Path):
+        super().__init__("ranks", work_dir)
+        self.faults = [Fault(0.9, "kill -9 of rank 1", kill_rank, terminal=True)]
+
+    def start(self) -> None:
+        from qnext.server.launch import free_port_pair
+
+        address = f"127.0.0.1:{free_port_pair()}"
+        for rank in (1, 0):
+            args = [str(demo_checkpoint_dir()), *SERVER_ARGS, "--nnodes", "2", "--node-rank", str(rank),
+                    "--dist-init-addr", address]
+            self.servers[f"rank{rank}"] = _AppendingServer(args, port=free_port(),
+                                                           log_path=self.work_dir / f"rank{rank}.log")
+        self.servers["front"] = self.servers.pop("rank0")
+        self.servers["front"].wait_healthy(START_TIMEOUT_S)
+
+    def metrics_text(self) -> str:
+        return _get(self.base_url + "/metrics")
+
+
+def kill_rank(shape: MultiRank) -> list[str]:
+    shape.servers["rank1"].proc.kill()
+    shape.servers["rank1"].proc.wait()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            _get(shape.base_url + "/health")
+        except urllib.error.HTTPError as e:
+            if e.code == 503:
+                return []
+        time.sleep(1)
+    return ["rank 0's /health did not turn 503 within 60 s of rank 1's kill -9"]
+
+
+SHAPES = {"single": SingleServer, "dp": DataParallel, "pd": PrefillDecode, "ranks": MultiRank}

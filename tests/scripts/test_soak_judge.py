@@ -76,3 +76,9 @@ def test_a_drain_must_answer_what_was_in_flight():
     assert judge_outcomes([Outcome("chat", "ok", "connection", 31, 31)], [drain]).passed     # sent while draining
     assert judge_outcomes([Outcome("chat", "ok", 200, 29, 32)], [drain]).passed
     assert not judge_outcomes([Outcome("chat", "ok", "connection", 29, 31)], [drain]).passed  # in flight, dropped
+
+
+def test_the_resource_window_ends_where_a_terminal_fault_begins():
+    samples = _samples(1000) + [Sample(100 + t, 5000, 99, 99, (2,)) for t in range(5)]    # a rank died at 100 s
+    assert "error" in resource_growth(samples, 50)
+    assert judge_resources(resource_growth(samples, 50, until=100)) == []
