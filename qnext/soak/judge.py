@@ -12,6 +12,8 @@ MAX_RSS_GROWTH = 0.02           # over the second half, the issue's target
 MAX_FD_GROWTH = 4               # a few sockets may be open at either end of the window
 MAX_THREAD_GROWTH = 4
 FAULT_GRACE_S = 20.0            # a designed 503 may come this long after its fault ended
+IN_FLIGHT_S = 1.0               # a request sent this long before a drain began had reached the server (not a
+                                # connection still in the listener's backlog, which closing the listener resets)
 IDLE_GAUGES = ("qnext:num_requests_running", "qnext:num_requests_waiting", "qnext:kv_cache_usage_perc",
                "qnext:state_slots_usage_perc")
 
@@ -67,7 +69,7 @@ def judge_outcomes(outcomes: list[Outcome], windows: list[FaultWindow]) -> Verdi
                 (o.expect == "client_error" and isinstance(o.status, int) and 400 <= o.status < 500):
             if o.expect == "any" and isinstance(o.status, int) and o.status >= 500 and window is None:
                 v.unexpected.append(f"{o.kind}: {o.status} outside any fault ({o.detail})")
-        elif window is not None and window.drains and o.start < window.start and o.kind != "never_read":
+        elif window is not None and window.drains and o.start < window.start - IN_FLIGHT_S and o.kind != "never_read":
             v.unexpected.append(f"{o.kind}: in flight when {window.name} began, it got {o.status} ({o.detail})")
         elif window is not None and (o.status == 503 or (o.status == "connection" and window.shape_wide)):
             v.designed[window.name] += 1

@@ -75,7 +75,7 @@ def test_a_drain_must_answer_what_was_in_flight():
     drain = FaultWindow("SIGTERM drain", start=30.0, end=40.0, shape_wide=True, drains=True)
     assert judge_outcomes([Outcome("chat", "ok", "connection", 31, 31)], [drain]).passed     # sent while draining
     assert judge_outcomes([Outcome("chat", "ok", 200, 29, 32)], [drain]).passed
-    assert not judge_outcomes([Outcome("chat", "ok", "connection", 29, 31)], [drain]).passed  # in flight, dropped
+    assert not judge_outcomes([Outcome("chat", "ok", "connection", 28, 31)], [drain]).passed  # in flight, dropped
 
 
 def test_the_resource_window_ends_where_a_terminal_fault_begins():
