@@ -59,6 +59,8 @@ def run_load(mix: RequestMix, duration: float, concurrency: int, seed: int, shap
             log(f"  [{start:7.1f}s] fault: {fault.name}")
             try:
                 found = fault.inject(shape)
+                if fault.shape_wide:            # restarted: warm before the load measures it again
+                    mix.warm()
             except Exception as e:           # a fault that cannot be injected or checked is a failure of the run
                 found = [f"{fault.name}: {type(e).__name__}: {e}"]
             stop = duration + REQUEST_DEADLINE_S if fault.terminal else time.monotonic() - mix.t0
@@ -92,6 +94,7 @@ def soak_shape(name: str, args, work_dir: Path, log=print) -> dict:
         kinds = {k for k in WEIGHTS if shape.kinds_filter(k)}
         mix = RequestMix(Target(shape.base_url, shape.model, shape.max_model_len), kinds)
         mix.probe_answers = {p: mix.probe(p) for p in PROBES}          # each alone, before any load
+        mix.warm()
         monitor = ProcessMonitor(shape.roots, interval_s=args.sample_every).start()
         mix.t0 = time.monotonic()
         log(f"{name}: load for {args.duration:.0f}s with {args.concurrency} clients")
