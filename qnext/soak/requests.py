@@ -67,7 +67,7 @@ class RequestMix:
         self.t0 = time.monotonic()
 
     def warm(self, concurrency: int = 4) -> None:
-        """Every kind a few times, `concurrency` at once, before what is measured: a (re)started server compiles or
+        """Every kind `concurrency` times, `concurrency` at once, before what is measured: a (re)started server compiles or
         loads its step shapes and the tower's batch shapes on first use and grows its pools to their size (the
         picture path's first requests alone add ~0.9 GB of RSS on the demo), which is start-up, not growth."""
         import concurrent.futures
@@ -75,7 +75,7 @@ class RequestMix:
         kinds = sorted(self.kinds - {"never_read", "abort", "disconnect", "bad"})
         with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
             list(pool.map(lambda i: self.send(kinds[i % len(kinds)], random.Random(i)),
-                          range(3 * concurrency * len(kinds))))
+                          range(concurrency * len(kinds))))
 
     def pick(self, rng: random.Random) -> str:
         names = [k for k in WEIGHTS if k in self.kinds]
