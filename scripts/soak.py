@@ -107,7 +107,9 @@ def soak_shape(name: str, args, work_dir: Path, log=print) -> dict:
         samples = monitor.stop()
         idle = [] if terminal else judge_idle(shape.metrics_text())
         probes_after = {} if terminal else {p: mix.probe(p) for p in PROBES}
-        growth = resource_growth(samples, offset + args.duration / 2, until=min(terminal, default=None))
+        restarted = [offset + w.end for w in windows if w.shape_wide]     # a restart's window ends once it is warm
+        growth = resource_growth(samples, max([offset + args.duration / 2, *restarted]),
+                                 until=min(terminal, default=None))
     finally:
         exit_codes = shape.stop()
     verdict = judge_outcomes(outcomes, windows)

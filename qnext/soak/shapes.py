@@ -103,10 +103,10 @@ class SingleServer(Shape):
     def __init__(self, work_dir: Path):
         super().__init__("single", work_dir)
         self.cache_dir = work_dir / "prefix-cache"
-        self.faults = [Fault(0.08, "SIGTERM drain under load", drain_and_restart, shape_wide=True, drains=True),
-                       Fault(0.18, "kill -9 during the cache's save", kill_during_save, shape_wide=True),
-                       Fault(0.28, "corrupted cache file", corrupt_cache_file, shape_wide=True),
-                       Fault(0.38, "full disk under the cache", full_disk, shape_wide=True)]
+        self.faults = [Fault(0.05, "SIGTERM drain under load", drain_and_restart, shape_wide=True, drains=True),
+                       Fault(0.12, "kill -9 during the cache's save", kill_during_save, shape_wide=True),
+                       Fault(0.19, "corrupted cache file", corrupt_cache_file, shape_wide=True),
+                       Fault(0.26, "full disk under the cache", full_disk, shape_wide=True)]
 
     def args(self, cache_dir: Path | None = None) -> list[str]:
         return [str(demo_checkpoint_dir()), *SERVER_ARGS, "--prefix-cache-dir", str(cache_dir or self.cache_dir),
