@@ -17,6 +17,8 @@ class CachePolicy:
     protected_share = 0.75               # cap of the protected segment, as a share of the snapshot rows
     demote_superseded = True             # at finish, what the sequence superseded and nobody used is evicted first
     keep_every_decode_snapshot = False   # False: one tracking row per sequence follows its latest decode boundary
+    sibling_wait_tokens = 64             # hold a prompt back while an admitted one computes at least this much more
+                                         # of its prefix than the cache serves (CacheManager.sibling_prefix); 0: off
 
     @property
     def snapshots_enabled(self) -> bool:

@@ -24,6 +24,7 @@ from cache.policy import CachePolicy
 
 
 class SeedPolicy(CachePolicy):
+    sibling_wait_tokens = 0
     protect_snapshot_blocks = False
     promote_on_restore = False
     demote_superseded = False
@@ -59,6 +60,7 @@ class DisableAllPolicy(SeedPolicy):
 
 
 class SGLangPolicy(CachePolicy):
+    sibling_wait_tokens = 0
     protect_snapshot_blocks = False
     promote_on_restore = False      # one LRU; a hit refreshes only the consumed state
     demote_superseded = False

@@ -27,3 +27,23 @@ def test_decode_tracking_rows_do_not_evict_a_hot_snapshot():
         rows.append(m.decode_tracking_row(f"d{i}"))
     assert rows[0] is not None and rows[1] is None       # the second yields instead of evicting
     assert m.admit("e", SYSTEM + [4] * 5).num_cached_tokens == 8
+
+
+def test_a_prompt_waits_for_a_sibling_still_computing_their_shared_prefix():
+    """The sibling captures where the prompts part, and the waiting prompt restores exactly there once the sibling
+    published it; a prompt sharing too little, or only what the cache already serves, is not held."""
+    doc = list(range(200, 360))                                  # 40 blocks both prompts share
+    m = make(snaps=8)
+    assert m.admit("a", doc + [1] * 9) is not None
+    assert m.sibling_prefix(doc + [2] * 9) == ("a", 160)
+    assert 160 in m.capture_positions("a")                        # a branch point nobody asked for yet
+    assert m.sibling_prefix(list(range(200, 240)) + [3] * 9) is None     # 40 tokens < sibling_wait_tokens
+    for p in [96, 160]:                                          # a prefills in two chunks
+        if p in m.capture_positions("a"):
+            m.reserve_capture("a", p)
+        m.commit("a", doc + [1] * 9, p)
+        assert (m.sibling_prefix(doc + [2] * 9) is None) == (p == 160)
+    assert m.admit("b", doc + [2] * 9).num_cached_tokens == 160
+    m.free("b", doc + [2] * 9, 0)
+    m.free("a", doc + [1] * 9, 160)
+    assert m.sibling_prefix(doc + [2] * 9) is None               # nobody admitted: nothing to wait for
