@@ -134,8 +134,10 @@ class CacheManager(TransferredPrompts):
         state_row = self._free_slots.pop()
         restore_row = restored_hash = None
         from_host = False
+        restored_origin = None
         if depth and self.config.hybrid:
             restored_hash = hashes[depth - 1]
+            restored_origin = self.lifecycle.origin(restored_hash)
             restore_row, from_host = self.lifecycle.restore(restored_hash, state_row)
         self.blocks.acquire(shared)
         self.tier.touch(on_host)
@@ -145,7 +147,8 @@ class CacheManager(TransferredPrompts):
         seq = SequenceRecord(prompt_len=n, hashes=hashes, block_table=chain + fresh[len(loaded):],
                              state_row=state_row, num_cached_tokens=depth * bs, chain=chain, pinned_row=restore_row,
                              kv_matched_tokens=kv_matched * bs, host_tokens=len(loaded) * bs,
-                             restored_hash=restored_hash, snapshot_from_host=from_host,
+                             restored_hash=restored_hash, restored_origin=restored_origin,
+                             snapshot_from_host=from_host,
                              restored_in_live_row=from_host and restore_row is None, images=images)
         if restore_row is not None:
             self.lifecycle.on_restore(restored_hash)
@@ -167,7 +170,8 @@ class CacheManager(TransferredPrompts):
         sibling computes the prefix once, then the prompt restores at the branch point) and admits it once it is
         None: the sibling published the prefix, finished or was preempted."""
         wait = self.policy.sibling_wait_tokens
-        if wait <= 0 or not self.config.enable_prefix_caching or not self._seqs:
+        if wait <= 0 or not self.config.enable_prefix_caching or not self._seqs or \
+                (self.config.hybrid and not self.uses_snapshots):   # without snapshots waiting reuses nothing
             return None
         bs, n = self.config.block_size, len(prompt_token_ids)
         limit = (n - 1) // bs

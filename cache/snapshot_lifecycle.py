@@ -97,14 +97,22 @@ class SnapshotLifecycle:
                 self.pool.release(seq.decode_row)
             elif self._register(seq, seq.decode_position, seq.decode_row):
                 self._demote_superseded(seq)
+                self._protect_continued(seq)
         self._unpin(seq)
+
+    def origin(self, prefix_hash: bytes) -> str | None:
+        """Why a resident snapshot was captured (device pool or host tier)."""
+        return self.pool.origin(prefix_hash) or self.tier.snapshots.origin(prefix_hash)
 
     def on_restore(self, prefix_hash: bytes) -> None:
         if self.policy.promote_on_restore:
-            max_protected = int(self.config.num_snapshot_slots * self.policy.protected_share)
-            self.pool.promote(prefix_hash, max_protected=max_protected)
+            self.pool.promote(prefix_hash, max_protected=self._max_protected)
         else:
             self.pool.touch(prefix_hash)
+
+    @property
+    def _max_protected(self) -> int:
+        return int(self.config.num_snapshot_slots * self.policy.protected_share)
 
     def invalidate(self, terminals: list) -> None:
         """Blocks (device ids or host names) that left every tier: drop exactly the snapshots tied to them."""
@@ -139,6 +147,14 @@ class SnapshotLifecycle:
         if origin in (PROMPT_END, CHECKPOINT):
             seq.prompt_snapshots.append(prefix_hash)
         return True
+
+    def _protect_continued(self, seq: SequenceRecord) -> None:
+        """A sequence that continued a previous turn's end (a conversation that came back) registers its own end in
+        the protected segment: the conversation is likely to come back again, where a one-off question's end (it
+        restored a shared prefix) starts on probation and goes first."""
+        continued = seq.restored_origin == SEQUENCE_END or seq.kv_matched_tokens > seq.num_cached_tokens
+        if self.policy.protect_continued and continued:
+            self.pool.protect(seq.hashes[seq.decode_position // self.config.block_size - 1], self._max_protected)
 
     def _demote_superseded(self, seq: SequenceRecord) -> None:
         """A finished sequence registered a deeper snapshot on its own path, so the next turn continues from that

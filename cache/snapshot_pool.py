@@ -95,9 +95,13 @@ class SnapshotPool:
         return self._hits.get(prefix_hash, 0)
 
     def promote(self, prefix_hash: bytes, max_protected: int) -> None:
-        """Count a hit and move the snapshot to the protected segment's MRU end; if that segment then holds more
-        than max_protected, its LRU snapshot drops back to probation's MRU end."""
+        """Count a hit and move the snapshot to the protected segment's MRU end (`protect`)."""
         self._hits[prefix_hash] = self._hits.get(prefix_hash, 0) + 1
+        self.protect(prefix_hash, max_protected)
+
+    def protect(self, prefix_hash: bytes, max_protected: int) -> None:
+        """Move the snapshot to the protected segment's MRU end; if that segment then holds more than
+        max_protected, its LRU snapshot drops back to probation's MRU end."""
         p = self._priority[prefix_hash]
         row = self._lru[p].pop(prefix_hash)
         self._priority[prefix_hash] = NUM_PRIORITIES - 1

@@ -28,6 +28,7 @@ class SeedPolicy(CachePolicy):
     protect_snapshot_blocks = False
     promote_on_restore = False
     demote_superseded = False
+    protect_continued = False
     keep_every_decode_snapshot = True
     chunk = 8192
     prefix_cache_ratio = 0.65
@@ -64,6 +65,7 @@ class SGLangPolicy(CachePolicy):
     protect_snapshot_blocks = False
     promote_on_restore = False      # one LRU; a hit refreshes only the consumed state
     demote_superseded = False
+    protect_continued = False
     chunk = 8192
     track_interval = 256
     min_extend = 64                 # extends shorter than this track no state

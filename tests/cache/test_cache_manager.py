@@ -233,7 +233,8 @@ def test_a_finished_turn_supersedes_its_prompt_end_and_restored_snapshots():
     _, h1 = run(m, "t1", list(range(10)), output=[50] * 7)     # prompt end 8, finish 16
     _, h2 = run(m, "t2", h1 + [60, 61, 62], output=[70] * 6)   # restores 16 (its only hit); prompt end 20, finish 24
     at = {p: block_hashes(h2, BS)[p // BS - 1] for p in (8, 16, 20, 24)}
-    assert list(m.snapshots._lru[0]) == [at[16], at[20], at[8], at[24]]  # eviction order
+    assert list(m.snapshots._lru[0]) == [at[16], at[20], at[8]]  # eviction order
+    assert list(m.snapshots._lru[1]) == [at[24]]                # it continued t1's end: protected
 
 
 def test_kv_tail_ending_a_snapshot_outlives_a_newer_tail_without_one():

@@ -1,4 +1,6 @@
 """Which snapshots the cache keeps under pressure: shared prefixes' states outlive one-off and superseded ones."""
+import pytest
+
 from tests.support.cache_cases import make, prefill, run
 
 SYSTEM = list(range(100, 108))  # two blocks every request below shares
@@ -47,3 +49,19 @@ def test_a_prompt_waits_for_a_sibling_still_computing_their_shared_prefix():
     m.free("b", doc + [2] * 9, 0)
     m.free("a", doc + [1] * 9, 160)
     assert m.sibling_prefix(doc + [2] * 9) is None               # nobody admitted: nothing to wait for
+
+
+@pytest.mark.parametrize("turn_one_state", ["kept", "lost"])
+def test_a_conversation_that_came_back_keeps_its_end_through_one_off_churn(turn_one_state):
+    """A finished turn that continued an earlier one (it restored that turn's end, or matched its KV after its state
+    was evicted) starts protected; one-off requests' ends churn the probation segment without pushing it out."""
+    m = make(snaps=4)
+    _, turn1 = run(m, "a1", list(range(100, 110)), output=[7] * 6)
+    if turn_one_state == "lost":
+        while m.snapshots.evict_lru() is not None:
+            pass
+    adm, turn2 = run(m, "a2", turn1 + [8] * 5, output=[7] * 6)
+    assert adm.num_cached_tokens == (12 if turn_one_state == "kept" else 0)
+    for i in range(4):
+        run(m, f"x{i}", list(range(500 + 20 * i, 510 + 20 * i)), output=[9] * 6)
+    assert m.admit("a3", turn2 + [6] * 5).num_cached_tokens == (len(turn2) - 1) // 4 * 4
