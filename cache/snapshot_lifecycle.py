@@ -36,7 +36,7 @@ class SnapshotLifecycle:
         self.blocks, self.registry, self.tier = blocks, registry, tier
         first = config.first_snapshot_row
         self.pool = SnapshotPool(range(first, first + config.num_snapshot_slots),
-                                 on_evict=weak_method(self._on_evicted))
+                                 on_evict=weak_method(self._on_evicted), on_priority=weak_method(self._on_priority))
 
     @property
     def enabled(self) -> bool:
@@ -123,9 +123,11 @@ class SnapshotLifecycle:
                 self.stats.snapshots_invalidated += 1
 
     def sync_protection(self, block) -> None:
-        """Device leaves that end a snapshot's prefix are evicted last (host-tier names are ignored)."""
+        """Device leaves that end a snapshot's prefix are evicted after the others, and those ending a snapshot of
+        the protected segment last: a KV tail is worth what its snapshot saves (host-tier names are ignored)."""
         if self.policy.protect_snapshot_blocks and isinstance(block, int):
-            self.blocks.set_protected(block, block in self.registry.mamba_prefix_hashes_by_block)
+            hashes = self.registry.mamba_prefix_hashes_by_block.get(block, ())
+            self.blocks.set_protected(block, max((1 + (self.pool.priority(h) or 0) for h in hashes), default=0))
 
     # ---- internals ------------------------------------------------------------------------------------------------
     def _register(self, seq: SequenceRecord, position: int, row: int) -> bool:
@@ -149,11 +151,14 @@ class SnapshotLifecycle:
         return True
 
     def _protect_continued(self, seq: SequenceRecord) -> None:
-        """A sequence that continued a previous turn's end (a conversation that came back) registers its own end in
-        the protected segment: the conversation is likely to come back again, where a one-off question's end (it
-        restored a shared prefix) starts on probation and goes first."""
+        """A sequence that continued a previous turn (it restored that turn's end, or matched its KV after its state
+        was evicted: a conversation that came back) registers its own end in the protected segment if it has room:
+        the conversation is likely to come back again, where a one-off question's end (it restored a shared prefix)
+        starts on probation and goes first. It pushes nothing out of a full segment: when more conversations come
+        back than the segment holds, the ones it holds stay (an LRU over conversations visited in turn would evict
+        each one just before it returns)."""
         continued = seq.restored_origin == SEQUENCE_END or seq.kv_matched_tokens > seq.num_cached_tokens
-        if self.policy.protect_continued and continued:
+        if self.policy.protect_continued and continued and self.pool.num_protected < self._max_protected:
             self.pool.protect(seq.hashes[seq.decode_position // self.config.block_size - 1], self._max_protected)
 
     def _demote_superseded(self, seq: SequenceRecord) -> None:
@@ -207,6 +212,11 @@ class SnapshotLifecycle:
 
     def _resident(self, prefix_hash: bytes) -> bool:
         return prefix_hash in self.pool or prefix_hash in self.tier.snapshots
+
+    def _on_priority(self, prefix_hash: bytes) -> None:
+        block = self.registry.mamba_prefix_block_by_hash.get(prefix_hash)
+        if block is not None:
+            self.sync_protection(block)
 
     def _on_evicted(self, prefix_hash: bytes) -> None:
         """Called before the pool frees the row: its state moves to the host tier if it has one (still valid)."""

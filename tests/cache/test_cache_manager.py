@@ -248,6 +248,18 @@ def test_kv_tail_ending_a_snapshot_outlives_a_newer_tail_without_one():
     assert m.admit("c", list(range(9))).num_cached_tokens == 8
 
 
+def test_kv_tail_ending_a_protected_snapshot_outlives_a_newer_tail_ending_a_probation_one():
+    """A snapshot that was hit sits in the protected segment, and its KV tail outlives the tails of snapshots nobody
+    has used yet, however recent: the KV is worth what its snapshot saves."""
+    m = make(num_blocks=12)
+    run(m, "a", list(range(9)))              # snapshot at 8, tied to a's block 2
+    assert run(m, "a again", list(range(9)))[0].num_cached_tokens == 8      # a hit: protected
+    run(m, "b", list(range(50, 59)))         # newer, snapshot at 8 on probation
+    m.evict_cached_blocks(2)                 # b's chain goes first
+    assert m.admit("c", list(range(9))).num_cached_tokens == 8
+    assert m.admit("d", list(range(50, 59))).num_cached_tokens == 0
+
+
 def test_an_admission_released_before_any_step_is_not_counted():
     m = make()
     run(m, "a", list(range(9)))
