@@ -20,7 +20,8 @@ NUM_PRIORITIES = 2
 class SnapshotPool:
     def __init__(self, rows: Iterable[int], on_evict: Callable[[bytes], None] | None = None,
                  on_priority: Callable[[bytes], None] | None = None):
-        """on_priority: told after a registered snapshot moved between segments (promote, protect, demote)."""
+        """on_priority: told after a registered snapshot moved between segments (promote, protect, demote) or was
+        evicted from them."""
         self.rows = tuple(rows)
         self.on_evict = on_evict or (lambda prefix_hash: None)
         self.on_priority = on_priority or (lambda prefix_hash: None)
@@ -172,6 +173,7 @@ class SnapshotPool:
                 if row not in self._pins:
                     self.on_evict(prefix_hash)
                     self.discard(prefix_hash)
+                    self.on_priority(prefix_hash)       # left the segments (a host tier may still hold it)
                     return prefix_hash
         return None
 
