@@ -188,7 +188,7 @@ class CacheManager(TransferredPrompts):
         if (best - served) * bs < wait:
             return None
         sibling = self._seqs[best_id]
-        if self.uses_snapshots and best * bs not in sibling.capture_plan:
+        if self.policy.capture_for_sibling and self.uses_snapshots and best * bs not in sibling.capture_plan:
             sibling.capture_plan = sorted([*sibling.capture_plan, best * bs])
         return best_id, best * bs
 

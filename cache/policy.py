@@ -20,6 +20,7 @@ class CachePolicy:
     keep_every_decode_snapshot = False   # False: one tracking row per sequence follows its latest decode boundary
     sibling_wait_tokens = 64             # hold a prompt back while an admitted one computes at least this much more
                                          # of its prefix than the cache serves (CacheManager.sibling_prefix); 0: off
+    capture_for_sibling = True           # ... and that one captures a snapshot where the two prompts part
 
     @property
     def snapshots_enabled(self) -> bool:
