@@ -92,7 +92,7 @@ class Scheduler:
         work: list[Work] = []
         layout = self.buckets.new_layout()
         budget = self.config.max_num_batched_tokens       # tokens left in this step
-        held = self._held_for_siblings()
+        asked, held = self._held_for_siblings()
 
         for seq in list(self.running):
             if budget == 0:
@@ -114,7 +114,7 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if seq in held or (seq.transferred is None and self._sibling(seq) is not None):
+            if seq in held or (seq not in asked and self._sibling(seq) is not None):
                 continue
             forks = len(seq.pending_forks)      # n > 1: rows and blocks for the other samples come with it
             if len(self.running) + 1 + forks > self.config.max_num_seqs:
@@ -135,22 +135,25 @@ class Scheduler:
                 self.cache.free(seq.request_id, seq.token_view, admission.num_cached_tokens)
                 break
             self.waiting.remove(seq)
+            asked = set()                       # a prompt behind it may share its prefix: ask again
             self._start(seq, admission)
             self.running.append(seq)
             work.append(w)
             budget -= w.num_tokens
         return work
 
-    def _held_for_siblings(self) -> set[Sequence]:
-        """Waiting prompts that an admitted sequence is still computing a shared prefix of (cache manager's
-        `sibling_prefix`): they wait for it instead of computing the prefix in parallel, and it captures a snapshot
-        where they part. Asked before the running sequences' work is planned, so that this step's work of the
-        sibling already captures there. Only the prompts the free seats could admit are asked."""
+    def _held_for_siblings(self) -> tuple[set[Sequence], set[Sequence]]:
+        """(asked, held): of the waiting prompts that the free seats could admit, those that an admitted sequence is
+        still computing a shared prefix of (cache manager's `sibling_prefix`). They wait for it instead of computing
+        the prefix in parallel, and it captures a snapshot where they part. Asked before the running sequences' work
+        is planned, so that this step's work of the sibling already captures there."""
         seats = self.config.max_num_seqs - len(self.running)
-        return {seq for seq in list(self.waiting)[:seats]
-                if seq.transferred is None and self._sibling(seq) is not None}
+        asked = set(list(self.waiting)[:seats])
+        return asked, {seq for seq in asked if self._sibling(seq) is not None}
 
     def _sibling(self, seq: Sequence):
+        if seq.transferred is not None:         # its prompt was computed elsewhere
+            return None
         return self.cache.sibling_prefix(seq.token_ids, seq.visuals.spans if seq.visuals is not None else ())
 
     def _admit_transferred(self, seq: Sequence, budget: int, layout, work: list[Work]) -> bool:
