@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Sequence
 from cache.free_list import FreeList
 
 NULL_BLOCK = 0
+NUM_PROTECTION_LEVELS = 3   # 0: evicted first; leaves of higher levels go only when no lower one is left
 
 
 class _Block:
@@ -36,7 +37,7 @@ class _Block:
         self.token_ids: tuple[int, ...] | None = None
         self.num_children = 0
         self.last_used = 0
-        self.protected = False
+        self.protected = 0
 
 
 class BlockPool:
@@ -50,8 +51,8 @@ class BlockPool:
         self._blocks = [_Block(i) for i in range(num_blocks)]
         self._free = FreeList(range(1, num_blocks), fifo=True)
         self._by_hash: dict[bytes, int] = {}
-        # two heaps (unprotected, protected) of (last_used, block_id); stale entries are skipped lazily
-        self._leaf_lru: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])
+        # a heap of (last_used, block_id) per protection level; stale entries are skipped lazily
+        self._leaf_lru: tuple[list[tuple[int, int]], ...] = tuple([] for _ in range(NUM_PROTECTION_LEVELS))
         self._clock = 0
         self._num_unreferenced_cached = 0
 
@@ -204,8 +205,9 @@ class BlockPool:
             self.evict(len(self._by_hash) - self.max_cached_blocks)
         return True
 
-    def set_protected(self, block_id: int, protected: bool) -> None:
-        """Evict this block only after every unprotected leaf (it ends a snapshot's prefix)."""
+    def set_protected(self, block_id: int, protected: int) -> None:
+        """Evict this block only after every leaf of a lower protection level (0 .. NUM_PROTECTION_LEVELS - 1; the
+        cache manager: 1 ends a snapshot's prefix, 2 ends a snapshot in the protected segment)."""
         b = self._blocks[block_id]
         if b.hash is None or b.protected == protected:
             return
@@ -239,7 +241,7 @@ class BlockPool:
             b = self._blocks[block_id]
             b.hash = b.parent = b.token_ids = None
             b.num_children = 0
-            b.protected = False
+            b.protected = 0
             if b.ref_count == 0:
                 self._free.put(block_id)
         self._by_hash.clear()
@@ -283,7 +285,7 @@ class BlockPool:
                 if self._evictable(parent):
                     self._push_leaf(parent)
             b.hash = b.parent = b.token_ids = None
-            b.protected = False
+            b.protected = 0
             self._num_unreferenced_cached -= 1
             return block_id
         return None

@@ -134,8 +134,10 @@ class CacheManager(TransferredPrompts):
         state_row = self._free_slots.pop()
         restore_row = restored_hash = None
         from_host = False
+        restored_origin = None
         if depth and self.config.hybrid:
             restored_hash = hashes[depth - 1]
+            restored_origin = self.lifecycle.origin(restored_hash)
             restore_row, from_host = self.lifecycle.restore(restored_hash, state_row)
         self.blocks.acquire(shared)
         self.tier.touch(on_host)
@@ -145,7 +147,8 @@ class CacheManager(TransferredPrompts):
         seq = SequenceRecord(prompt_len=n, hashes=hashes, block_table=chain + fresh[len(loaded):],
                              state_row=state_row, num_cached_tokens=depth * bs, chain=chain, pinned_row=restore_row,
                              kv_matched_tokens=kv_matched * bs, host_tokens=len(loaded) * bs,
-                             restored_hash=restored_hash, snapshot_from_host=from_host,
+                             restored_hash=restored_hash, restored_origin=restored_origin,
+                             snapshot_from_host=from_host,
                              restored_in_live_row=from_host and restore_row is None, images=images)
         if restore_row is not None:
             self.lifecycle.on_restore(restored_hash)
@@ -159,6 +162,35 @@ class CacheManager(TransferredPrompts):
         self._track_peaks()
         return Admission(depth * bs, seq.block_table, seq.state_row,
                          seq.state_row if seq.restored_in_live_row else restore_row, kv_matched * bs)
+
+    def sibling_prefix(self, prompt_token_ids: Sequence[int], images: Sequence[ImageSpan] = ()) -> tuple | None:
+        """(seq_id, tokens) of an admitted sequence that shares more of this prompt than the cache serves now, by at
+        least the policy's `sibling_wait_tokens`, and has not computed that shared prefix yet; that sequence now
+        also captures a snapshot where the prompts part. A scheduler holds the prompt back while this answers (the
+        sibling computes the prefix once, then the prompt restores at the branch point) and admits it once it is
+        None: the sibling published the prefix, finished or was preempted."""
+        wait = self.policy.sibling_wait_tokens
+        if wait <= 0 or not self.config.enable_prefix_caching or not self._seqs or \
+                (self.config.hybrid and not self.uses_snapshots):   # without snapshots waiting reuses nothing
+            return None
+        bs, n = self.config.block_size, len(prompt_token_ids)
+        limit = (n - 1) // bs
+        hashes = block_hashes(prompt_token_ids[:limit * bs], bs, self.block_hash_fn, check_image_spans(images, n))
+        best_id, best = None, 0
+        for seq_id, seq in self._seqs.items():
+            shared = _common_prefix(hashes, seq.hashes[:seq.prompt_len // bs])
+            if seq.cacheable and shared > max(best, len(seq.chain)):
+                best_id, best = seq_id, shared
+        if best_id is None:
+            return None
+        matched = self.blocks.match(hashes, prompt_token_ids, bs)
+        served = self.lifecycle.resolve(hashes, matched, self.tier.match(hashes, prompt_token_ids, bs, matched))
+        if (best - served) * bs < wait:
+            return None
+        sibling = self._seqs[best_id]
+        if self.policy.capture_for_sibling and self.uses_snapshots and best * bs not in sibling.capture_plan:
+            sibling.capture_plan = sorted([*sibling.capture_plan, best * bs])
+        return best_id, best * bs
 
     def capture_positions(self, seq_id) -> list[int]:
         return list(self._seq(seq_id).capture_plan)
@@ -310,3 +342,8 @@ class CacheManager(TransferredPrompts):
     def _track_peaks(self) -> None:
         self.stats.track_peaks(self.blocks.num_used, self.config.num_live_slots - len(self._free_slots),
                                self.snapshots.num_in_use)
+
+
+def _common_prefix(a: Sequence[bytes], b: Sequence[bytes]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)

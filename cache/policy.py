@@ -16,7 +16,11 @@ class CachePolicy:
     promote_on_restore = True            # a restore moves the snapshot to the protected LRU segment (else: refresh)
     protected_share = 0.75               # cap of the protected segment, as a share of the snapshot rows
     demote_superseded = True             # at finish, what the sequence superseded and nobody used is evicted first
+    protect_continued = True             # a finished turn that continued a previous turn's end starts protected
     keep_every_decode_snapshot = False   # False: one tracking row per sequence follows its latest decode boundary
+    sibling_wait_tokens = 64             # hold a prompt back while an admitted one computes at least this much more
+                                         # of its prefix than the cache serves (CacheManager.sibling_prefix); 0: off
+    capture_for_sibling = True           # ... and that one captures a snapshot where the two prompts part
 
     @property
     def snapshots_enabled(self) -> bool:

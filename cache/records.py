@@ -31,6 +31,7 @@ class SequenceRecord:
     decode_position: int = 0
     branch_position: int = 0                 # where the KV match outran the state match (0: it did not)
     restored_hash: bytes | None = None
+    restored_origin: str | None = None       # why the restored snapshot was captured (snapshot_lifecycle.py)
     kv_matched_tokens: int = 0
     transferred_tokens: int = 0              # of num_cached_tokens, those whose KV came with a transfer (PD)
     host_tokens: int = 0                     # of num_cached_tokens, those whose KV is loaded from the host tier

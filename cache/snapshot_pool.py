@@ -18,9 +18,13 @@ NUM_PRIORITIES = 2
 
 
 class SnapshotPool:
-    def __init__(self, rows: Iterable[int], on_evict: Callable[[bytes], None] | None = None):
+    def __init__(self, rows: Iterable[int], on_evict: Callable[[bytes], None] | None = None,
+                 on_priority: Callable[[bytes], None] | None = None):
+        """on_priority: told after a registered snapshot moved between segments (promote, protect, demote) or was
+        evicted from them."""
         self.rows = tuple(rows)
         self.on_evict = on_evict or (lambda prefix_hash: None)
+        self.on_priority = on_priority or (lambda prefix_hash: None)
         self._free = FreeList(self.rows)
         self._reserved: set[int] = set()
         self._lru: list[OrderedDict[bytes, int]] = [OrderedDict() for _ in range(NUM_PRIORITIES)]
@@ -45,6 +49,10 @@ class SnapshotPool:
     @property
     def num_reserved(self) -> int:
         return len(self._reserved)
+
+    @property
+    def num_protected(self) -> int:
+        return len(self._lru[-1])
 
     @property
     def num_in_use(self) -> int:
@@ -85,6 +93,9 @@ class SnapshotPool:
         if hits:
             self._hits[prefix_hash] = hits
 
+    def priority(self, prefix_hash: bytes) -> int | None:
+        return self._priority.get(prefix_hash)
+
     def origin(self, prefix_hash: bytes) -> str | None:
         return self._origin.get(prefix_hash)
 
@@ -95,17 +106,25 @@ class SnapshotPool:
         return self._hits.get(prefix_hash, 0)
 
     def promote(self, prefix_hash: bytes, max_protected: int) -> None:
-        """Count a hit and move the snapshot to the protected segment's MRU end; if that segment then holds more
-        than max_protected, its LRU snapshot drops back to probation's MRU end."""
+        """Count a hit and move the snapshot to the protected segment's MRU end (`protect`)."""
         self._hits[prefix_hash] = self._hits.get(prefix_hash, 0) + 1
+        self.protect(prefix_hash, max_protected)
+
+    def protect(self, prefix_hash: bytes, max_protected: int) -> None:
+        """Move the snapshot to the protected segment's MRU end; if that segment then holds more than
+        max_protected, its LRU snapshot drops back to probation's MRU end."""
         p = self._priority[prefix_hash]
         row = self._lru[p].pop(prefix_hash)
         self._priority[prefix_hash] = NUM_PRIORITIES - 1
         self._lru[-1][prefix_hash] = row
+        moved = [prefix_hash] if p != NUM_PRIORITIES - 1 else []
         while len(self._lru[-1]) > max(max_protected, 1):
             old, old_row = self._lru[-1].popitem(last=False)
             self._priority[old] = 0
             self._lru[0][old] = old_row
+            moved.append(old)
+        for h in moved:
+            self.on_priority(h)
 
     def demote(self, prefix_hash: bytes) -> None:
         """Move a snapshot to the front of the lowest priority class (first to be evicted)."""
@@ -116,6 +135,8 @@ class SnapshotPool:
         self._priority[prefix_hash] = 0
         self._lru[0][prefix_hash] = row
         self._lru[0].move_to_end(prefix_hash, last=False)
+        if p:
+            self.on_priority(prefix_hash)
 
     def pin(self, row: int) -> None:
         self._pins[row] = self._pins.get(row, 0) + 1
@@ -152,6 +173,7 @@ class SnapshotPool:
                 if row not in self._pins:
                     self.on_evict(prefix_hash)
                     self.discard(prefix_hash)
+                    self.on_priority(prefix_hash)       # left the segments (a host tier may still hold it)
                     return prefix_hash
         return None
 

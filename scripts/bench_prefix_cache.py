@@ -5,8 +5,8 @@ workloads, and the other engines' policies as `CachePolicy` hooks; cache/replay/
 simplifies). Budgets are in tokens of KV; one state row costs --snapshot-kv-tokens of them. A second table sweeps
 qnext's one memory knob, the snapshot share (`snapshot_memory_fraction`, cache/sizing.py), at fixed total memory.
 
-"gap" = oracle - qnext; it includes the --in-flight requests that start together at the beginning, before any of
-them can publish. "qnext+Nx" is qnext with a host tier of N times its device cache's KV blocks and snapshot rows
+"gap" = oracle - qnext; the loss table splits it per admission (cache/replay/loop.py): prefix not yet computed by
+anyone (requests that start together), KV evicted, KV matched without a snapshot, recompute after preemption. "qnext+Nx" is qnext with a host tier of N times its device cache's KV blocks and snapshot rows
 (host RAM on top of the same device bytes; cache/tiers.py). The restart table replays the trace once, carries the
 cache's index over as a restart with prefix_cache_dir does, and replays it again. With --restore-model the time to
 load N tokens of KV and one snapshot back from the host tier is measured through the engine (CPU), against
@@ -75,6 +75,23 @@ def format_table(results: dict) -> str:
             if "oracle" in row and "qnext" in row:
                 line += f"{100 * (row['oracle']['reuse'] - row['qnext']['reuse']):>7.1f}%"
             lines.append(line)
+    return "\n".join(lines)
+
+
+def format_loss(results: dict) -> str:
+    """Where qnext's reuse falls short of the oracle's, in % of prompt tokens (cache/replay/loop.py), and the
+    oracle's working set in multiples of the budget (cache/replay/compare.py)."""
+    head = (f"{'loss vs oracle':<15}{'budget':>9} {'qnext':>8}{'oracle':>8}{'concurrent':>12}{'evicted KV':>12}"
+            f"{'no state':>10}{'preempted':>11}{'working set':>13}")
+    lines = [head, "-" * len(head)]
+    for name, w in results["workloads"].items():
+        for budget, row in w["budgets"].items():
+            q, pt = row["qnext"], row["qnext"]["prompt_tokens"]
+            lost = q["lost"]
+            lines.append(f"{name:<15}{_fmt_tokens(int(budget)):>9} {100 * q['reuse']:>7.1f}%"
+                         f"{100 * row['oracle']['reuse']:>7.1f}%{100 * lost['concurrent'] / pt:>11.1f}%"
+                         f"{100 * lost['evicted_kv'] / pt:>11.1f}%{100 * lost['missing_state'] / pt:>9.1f}%"
+                         f"{100 * lost['preempted'] / pt:>10.1f}%{w['oracle_working_set'] / int(budget):>12.2f}x")
     return "\n".join(lines)
 
 
@@ -245,6 +262,8 @@ def main(argv=None) -> int:
     results["seconds"] = round(time.perf_counter() - t0, 2)
     results["args"] = dict(vars(args))
     print(format_table(results))
+    if "qnext" in results["policies"] and "oracle" in results["policies"]:
+        print("\n" + format_loss(results))
     if "restart" in results:
         print("\n" + format_restart(results["restart"]))
     if "restore" in results:

@@ -9,6 +9,7 @@ once, which can raise their reuse on a shared prefix; the replay models that but
 from dataclasses import dataclass, replace
 
 from cache.config import CacheConfig
+from cache.hashing import block_hashes
 from cache.manager import CacheManager
 from cache.policy import CachePolicy
 from cache.replay.loop import replay
@@ -82,8 +83,36 @@ def compare(workloads: dict[str, list[Request]], budgets: list[int], policies=PO
                 for policy in policies}
         results["workloads"][name] = {"num_requests": len(requests),
                                       "prompt_tokens": sum(len(q.prompt_token_ids) for q in requests),
+                                      "oracle_working_set": oracle_working_set(requests, settings),
                                       "budgets": per_budget}
     return results
+
+
+def oracle_working_set(requests: list[Request], settings: ReplaySettings = ReplaySettings()) -> int:
+    """Memory, in KV tokens, that the oracle's reuse needs at once: the peak over the trace (one request at a time)
+    of the KV blocks and snapshots that were computed before and are reused later (each request reuses its longest
+    block prefix that an earlier request had, ending at a snapshot), plus `in_flight` live state rows."""
+    bs, row = settings.block_size, settings.state_kv_tokens
+    born: dict[bytes, int] = {}
+    last_use: dict[tuple[bytes, int], int] = {}          # (hash, size in KV tokens) -> last request that reuses it
+    for j, q in enumerate(requests):
+        hashes = block_hashes(q.prompt_token_ids + q.output_token_ids, bs)
+        own = hashes[:(len(q.prompt_token_ids) - 1) // bs]
+        depth = next((i for i, h in enumerate(own) if h not in born), len(own))
+        last_use.update({(h, bs): j for h in own[:depth]})
+        if depth:
+            last_use[(own[depth - 1], row)] = j
+        for h in hashes:
+            born.setdefault(h, j)
+    change = [0] * (len(requests) + 1)
+    for (h, size), last in last_use.items():
+        change[born[h]] += size
+        change[last] -= size
+    held = peak = 0
+    for delta in change:
+        held += delta
+        peak = max(peak, held)
+    return peak + settings.in_flight * row
 
 
 def snapshot_share_sweep(workloads: dict[str, list[Request]], budgets: list[int], fractions: list[float],

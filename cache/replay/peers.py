@@ -15,7 +15,9 @@
   block, or the branch point instead when the KV match outran the state match; decode tracking every 256 tokens
   keeping only the latest, inserted at finish; states evicted by their own LRU (tombstones: KV kept), KV leaf
   eviction takes its state; a hit refreshes only the consumed state. [Block granularity = page = our block size;
-  no HiCache; chunk ends at 8192 tokens also tracked.]
+  no HiCache; chunk ends at 8192 tokens also tracked. Its scheduler's in-batch prefix deprioritisation (a request
+  sharing more than 32 tokens with one scheduled in the same round is deferred) is modelled as qnext's wait for a
+  sibling, without the snapshot at the branch point: generous, since SGLang defers for that round only.]
 - oracle (`OraclePolicy`): a snapshot at every block boundary of every prompt and decode; with unbounded memory
   and one request at a time it reuses the most any block-granular policy can on a request order.
 """
@@ -24,9 +26,11 @@ from cache.policy import CachePolicy
 
 
 class SeedPolicy(CachePolicy):
+    sibling_wait_tokens = 0
     protect_snapshot_blocks = False
     promote_on_restore = False
     demote_superseded = False
+    protect_continued = False
     keep_every_decode_snapshot = True
     chunk = 8192
     prefix_cache_ratio = 0.65
@@ -59,9 +63,12 @@ class DisableAllPolicy(SeedPolicy):
 
 
 class SGLangPolicy(CachePolicy):
+    sibling_wait_tokens = 32        # IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD
+    capture_for_sibling = False
     protect_snapshot_blocks = False
     promote_on_restore = False      # one LRU; a hit refreshes only the consumed state
     demote_superseded = False
+    protect_continued = False
     chunk = 8192
     track_interval = 256
     min_extend = 64                 # extends shorter than this track no state

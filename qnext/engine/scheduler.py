@@ -2,7 +2,8 @@
 cache manager (engine/engine_cache.py holds it) and post-processes its result.
 
 Running sequences go first (decode tokens and continuing prefill chunks, oldest first), then waiting ones are
-admitted while the token budget, `max_num_seqs`, a compiled step shape and the cache allow. A running sequence
+admitted while the token budget, `max_num_seqs`, a compiled step shape and the cache allow; a waiting prompt whose
+prefix an admitted sequence is still computing waits for it (and lets the ones behind it in), then restores there. A running sequence
 that cannot get a KV block preempts the newest running sequence (by recompute: its cache is released and it goes
 back to the front of the queue; its output so far is kept and recomputed as part of its prompt).
 
@@ -92,6 +93,7 @@ class Scheduler:
         work: list[Work] = []
         layout = self.buckets.new_layout()
         budget = self.config.max_num_batched_tokens       # tokens left in this step
+        asked, held = self._held_for_siblings()
 
         for seq in list(self.running):
             if budget == 0:
@@ -110,8 +112,11 @@ class Scheduler:
             work.append(w)
             budget -= w.num_tokens
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if seq in held or (seq not in asked and self._sibling(seq) is not None):
+                continue
             forks = len(seq.pending_forks)      # n > 1: rows and blocks for the other samples come with it
             if len(self.running) + 1 + forks > self.config.max_num_seqs:
                 break
@@ -130,12 +135,27 @@ class Scheduler:
                 # tokens, times) is recorded on the sequence; the next admission may match differently.
                 self.cache.free(seq.request_id, seq.token_view, admission.num_cached_tokens)
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
+            asked = set()                       # a prompt behind it may share its prefix: ask again
             self._start(seq, admission)
             self.running.append(seq)
             work.append(w)
             budget -= w.num_tokens
         return work
+
+    def _held_for_siblings(self) -> tuple[set[Sequence], set[Sequence]]:
+        """(asked, held): of the waiting prompts that the free seats could admit, those that an admitted sequence is
+        still computing a shared prefix of (cache manager's `sibling_prefix`). They wait for it instead of computing
+        the prefix in parallel, and it captures a snapshot where they part. Asked before the running sequences' work
+        is planned, so that this step's work of the sibling already captures there."""
+        seats = self.config.max_num_seqs - len(self.running)
+        asked = set(list(self.waiting)[:seats])
+        return asked, {seq for seq in asked if self._sibling(seq) is not None}
+
+    def _sibling(self, seq: Sequence):
+        if seq.transferred is not None:         # its prompt was computed elsewhere
+            return None
+        return self.cache.sibling_prefix(seq.token_ids, seq.visuals.spans if seq.visuals is not None else ())
 
     def _admit_transferred(self, seq: Sequence, budget: int, layout, work: list[Work]) -> bool:
         """Admits a request whose prompt a prefill engine computed: its next step runs the first token only. The
@@ -151,7 +171,7 @@ class Scheduler:
         blocks = admission.block_table[t.num_held_blocks:-(-n // self.config.block_size)]
         self.engine_cache.write_transferred(blocks, t.kv, admission.state_row, t.conv, t.recurrent)
         seq.transferred = None             # a preemption recomputes it like any other
-        self.waiting.popleft()
+        self.waiting.remove(seq)
         self._start(seq, admission)
         self.running.append(seq)
         work.append(w)

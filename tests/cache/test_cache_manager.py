@@ -233,7 +233,8 @@ def test_a_finished_turn_supersedes_its_prompt_end_and_restored_snapshots():
     _, h1 = run(m, "t1", list(range(10)), output=[50] * 7)     # prompt end 8, finish 16
     _, h2 = run(m, "t2", h1 + [60, 61, 62], output=[70] * 6)   # restores 16 (its only hit); prompt end 20, finish 24
     at = {p: block_hashes(h2, BS)[p // BS - 1] for p in (8, 16, 20, 24)}
-    assert list(m.snapshots._lru[0]) == [at[16], at[20], at[8], at[24]]  # eviction order
+    assert list(m.snapshots._lru[0]) == [at[16], at[20], at[8]]  # eviction order
+    assert list(m.snapshots._lru[1]) == [at[24]]                # it continued t1's end: protected
 
 
 def test_kv_tail_ending_a_snapshot_outlives_a_newer_tail_without_one():
@@ -245,6 +246,18 @@ def test_kv_tail_ending_a_snapshot_outlives_a_newer_tail_without_one():
     m.free("b", b, 9)
     m.evict_cached_blocks(2)                 # b's chain goes first although it is newer
     assert m.admit("c", list(range(9))).num_cached_tokens == 8
+
+
+def test_kv_tail_ending_a_protected_snapshot_outlives_a_newer_tail_ending_a_probation_one():
+    """A snapshot that was hit sits in the protected segment, and its KV tail outlives the tails of snapshots nobody
+    has used yet, however recent: the KV is worth what its snapshot saves."""
+    m = make(num_blocks=12)
+    run(m, "a", list(range(9)))              # snapshot at 8, tied to a's block 2
+    assert run(m, "a again", list(range(9)))[0].num_cached_tokens == 8      # a hit: protected
+    run(m, "b", list(range(50, 59)))         # newer, snapshot at 8 on probation
+    m.evict_cached_blocks(2)                 # b's chain goes first
+    assert m.admit("c", list(range(9))).num_cached_tokens == 8
+    assert m.admit("d", list(range(50, 59))).num_cached_tokens == 0
 
 
 def test_an_admission_released_before_any_step_is_not_counted():

@@ -116,3 +116,15 @@ def test_activation_bytes_budgets_a_step_whose_temporaries_grow_with_the_cache(t
     assert "grow with the cache" in caplog.text
     free = 0.5 * limit - in_use
     assert budgeted > free / 4          # the flip copies (nearly) every buffer: about half of what is free
+
+
+def test_a_prompt_waits_for_a_sibling_computing_its_prefix_and_restores_where_they_part(tiny_checkpoint):
+    """Two prompts sharing 80 tokens arrive together: the second waits while the first computes them (a 64-token
+    step budget: two steps), the first captures a snapshot at 80, and the second restores there instead of computing
+    the 80 tokens in parallel. Outputs equal each prompt's without the cache."""
+    shared = list(range(3, 83))
+    prompts = [{"prompt_token_ids": shared + list(range(100 + 20 * i, 120 + 20 * i))} for i in range(2)]
+    cached = qnext.LLM(tiny_checkpoint("qwen3_next"), **ENGINE).generate(prompts, GREEDY)
+    assert [o.num_cached_tokens for o in cached] == [0, 80]
+    cold = qnext.LLM(tiny_checkpoint("qwen3_next"), enable_prefix_caching=False, **ENGINE).generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in cold]

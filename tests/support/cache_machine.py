@@ -192,7 +192,8 @@ class CacheMachine(RuleBasedStateMachine):
             assert len(prefix) % BS == 0 and block_hashes(token_ids(prefix), BS, self.hash_fn,
                                                           image_spans(prefix))[-1] == h
             assert pool.block_tokens(b) == tuple(token_ids(prefix[-BS:]))
-            assert pool._blocks[b].protected == (b in self.m.registry.mamba_prefix_hashes_by_block)
+            tied = self.m.registry.mamba_prefix_hashes_by_block.get(b, ())   # 1: ends a snapshot, 2: a protected one
+            assert pool._blocks[b].protected == max((1 + (self.m.snapshots.priority(h) or 0) for h in tied), default=0)
             parent = pool.parent_of(b)
             assert self.kv[parent] == prefix[:-BS] if parent is not None else len(prefix) == BS
             if held[b]:
