@@ -97,6 +97,13 @@ def test_bad_history_arguments(backend):
         translator(backend).translate(ChatInputs(messages, tools=[TOOL]), SamplingParams())
 
 
+def test_tool_calls_that_are_not_a_list(backend):
+    messages = USER + [{"role": "assistant", "content": None, "tool_calls": 1.5}]
+    with pytest.raises(APIError, match=r"messages\[1\].tool_calls must be a list") as e:
+        translator(backend).translate(ChatInputs(messages), SamplingParams())
+    assert e.value.status == 400 and e.value.param == "messages.1.tool_calls"
+
+
 def test_parser_flags_override_the_template(backend):
     from qnext.server.cli import build_parser
 
