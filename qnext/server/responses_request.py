@@ -218,6 +218,8 @@ def enable_thinking(body: dict) -> bool | None:
 
 def response_format(body: dict) -> dict | None:
     fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    _require(fmt is None or isinstance(fmt, dict), "text.format must be an object such as {\"type\": \"text\"}",
+             "text.format")
     if not fmt or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_schema":

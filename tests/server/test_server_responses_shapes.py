@@ -72,6 +72,7 @@ def test_codex_first_request_translates():
     ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "x"}]}]},
      "input.0.content.0.image_url"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "hi", "text": {"format": 9}}, "text.format"),
     ({}, "input"),
 ])
 def test_bad_requests_name_the_field(body, param):
