@@ -78,6 +78,7 @@ BAD = [
      "both constrain"),
     (dict(tool_choice="required"), "tool_choice", "at least one tool"),
     (dict(structured_outputs={"structural_tag": "x"}), "structured_outputs", "unknown fields"),
+    (dict(structured_outputs={"choice": -1}), "structured_outputs", "non-empty list"),
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format", "schema"),
     (dict(tools=[TOOL, TOOL]), "tools", "same name"),
 ]
