@@ -92,6 +92,11 @@ def send_all(base_url: str, cases: list[FuzzCase], *, workers: int = 4, deadline
             with lock:
                 clients.append(local.client)
         result = send(local.client, base_url, case, deadline_s)
+        if result.failed:       # a fresh connection for the next case: uvicorn closes one after an unhandled error
+            local.client.close()
+            with lock:
+                clients.remove(local.client)
+            del local.client
         if on_result is not None:
             on_result(result)
         return result
