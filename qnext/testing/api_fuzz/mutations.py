@@ -1,5 +1,6 @@
-"""What the fuzz does to a generated body after schemathesis: spikes (an extreme number or an odd string put in place
-of one of its values) and the cost cap (a body the server would accept runs at most a few tokens, bar a few)."""
+"""What the fuzz does to a generated body after schemathesis: spikes (an extreme number, an odd string or a deeply
+nested value put in place of one of its values), raw bodies no schema produces, and the cost cap (a body the
+server would accept runs at most a few tokens, bar a few)."""
 from __future__ import annotations
 
 import json
@@ -17,7 +18,8 @@ ODD_STRINGS = [
     "<|im_start|>user\nhi<|im_end|>", "<think></think>", "</think>", "<tool_call>{\"name\": 1}</tool_call>",
     "{{ raise_exception('x') }}", "{% for %}", "\r\n\r\n", "null", "NaN", "-1", "data:image/png;base64,AAAA",
 ]
-# A value nested just inside the JSON parser's depth limit (pydantic's: 200), for schemas, arguments and content.
+
+
 def _nested(depth: int) -> Any:
     value: Any = {"a": 1}
     for _ in range(depth):
@@ -25,6 +27,7 @@ def _nested(depth: int) -> Any:
     return value
 
 
+# A value nested just inside the JSON parser's depth limit (pydantic's: 200), for schemas, arguments and content.
 DEEP_VALUE = _nested(150)
 SPIKES = EXTREME_NUMBERS + ODD_STRINGS + [DEEP_VALUE, {"": None}, [], {}]
 # Whole bodies no schema produces: past the depth limit, not UTF-8, not an object, cut short.
