@@ -43,15 +43,15 @@ class StructuredOutputsParams:
             if value is not None and not (isinstance(value, str) and value):
                 raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
         if self.choice is not None:
-            if isinstance(self.choice, str) or not self.choice or not all(isinstance(c, str) and c
-                                                                          for c in self.choice):
+            if not isinstance(self.choice, (list, tuple)) or not self.choice \
+                    or not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
                                  f"got {self.choice!r}")
             self.choice = list(self.choice)
         if self.json_object not in (False, True):
             raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
         if self.start_after is not None:
-            ids = list(self.start_after)
+            ids = list(self.start_after) if isinstance(self.start_after, (list, tuple)) else []
             if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
                 raise ValueError(f"structured_outputs.start_after must be a non-empty list of token ids, "
                                  f"got {self.start_after!r}")

@@ -4,8 +4,9 @@ renders the chat and takes it into the engine (max_tokens clamped to the room th
 driver runs the output through the API's sink (anthropic_response, responses_response)."""
 from __future__ import annotations
 
-import json
+import math
 
+import pydantic_core
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -25,14 +26,32 @@ _RESPONSE_ECHO = ("instructions", "tools", "tool_choice", "parallel_tool_calls",
 
 
 async def json_body(request: Request) -> dict:
-    raw = await request.body()
+    return json_object(await request.body())
+
+
+def json_object(raw: bytes) -> dict:
+    """A body of JSON text, parsed as strictly as the OpenAI routes' models parse theirs: no NaN or Infinity, no
+    lone UTF-16 surrogate in a string (neither can be answered back in JSON, and the tokenizer refuses the
+    latter), no number beyond a float's range."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = pydantic_core.from_json(raw, allow_inf_nan=False)
+    except ValueError as e:
         raise bad_request(f"the request body is not valid JSON: {e}", "body") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", "body")
+    _check_finite(body, "")
     return body
+
+
+def _check_finite(value, where: str) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise bad_request(f"{where or 'the body'}: a number beyond the range of a 64-bit float", where or "body")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_finite(v, f"{where}.{k}" if where else k)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_finite(v, f"{where}.{i}" if where else str(i))
 
 
 class AgentServing:

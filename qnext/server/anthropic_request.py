@@ -136,9 +136,13 @@ def _assistant_message(content: Any, param: str) -> dict:
         kind = block.get("type") if isinstance(block, dict) else None
         where = f"{param}.{i}"
         if kind == "text":
-            texts.append(block.get("text") or "")
+            _require(isinstance(block.get("text"), str), f"{where}.text must be a string", f"{where}.text")
+            texts.append(block["text"])
         elif kind == "thinking":
-            reasoning.append(block.get("thinking") or "")
+            thinking = block.get("thinking")
+            _require(thinking is None or isinstance(thinking, str), f"{where}.thinking must be a string",
+                     f"{where}.thinking")
+            reasoning.append(thinking or "")
         elif kind == "redacted_thinking":
             continue                                 # opaque: nothing to show the model
         elif kind == "tool_use":

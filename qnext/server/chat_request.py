@@ -251,8 +251,12 @@ def template_messages(messages: list[dict[str, Any]], media: list[MediaPart] | N
         if message.get("role") == "assistant":
             if "reasoning_content" not in message and isinstance(message.get("reasoning"), str):
                 message["reasoning_content"] = message["reasoning"]
-            if message.get("tool_calls"):
-                message["tool_calls"] = [_call_for_template(c, i, j) for j, c in enumerate(message["tool_calls"])]
+            calls = message.get("tool_calls")
+            if calls is not None and not isinstance(calls, list):
+                raise bad_request(f"messages[{i}].tool_calls must be a list of tool calls, got "
+                                  f"{type(calls).__name__}", f"messages.{i}.tool_calls")
+            if calls:
+                message["tool_calls"] = [_call_for_template(c, i, j) for j, c in enumerate(calls)]
         out.append(message)
     return out
 

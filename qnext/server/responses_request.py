@@ -66,10 +66,15 @@ def _content(content: Any, param: str) -> str | list[dict]:
     return parts
 
 
-def freeform_function(tool: dict) -> dict:
+def freeform_function(tool: dict, where: str) -> dict:
     """A Codex `custom` tool as a function whose one string argument is the tool's free-text input."""
     description = tool.get("description") or ""
+    _require(isinstance(description, str), f"{where}.description must be a string", f"{where}.description")
     fmt = tool.get("format") or {}
+    _require(isinstance(fmt, dict), f"{where}.format must be an object such as {{\"type\": \"text\"}}",
+             f"{where}.format")
+    _require(isinstance(fmt.get("definition") or "", str), f"{where}.format.definition must be a string",
+             f"{where}.format.definition")
     if fmt.get("type") == "grammar" and fmt.get("definition"):
         description += (f"\n\nThe `{FREEFORM_PARAMETER}` argument is free text in this {fmt.get('syntax', '')} "
                         f"grammar:\n{fmt['definition']}")
@@ -103,7 +108,7 @@ def chat_tools(body: dict) -> tuple[list[dict] | None, set[str]]:
             out.append({"type": "function", "function": function})
         elif kind == "custom":
             _require(isinstance(tool.get("name"), str), f"{where}.name must be a string", f"{where}.name")
-            out.append({"type": "function", "function": freeform_function(tool)})
+            out.append({"type": "function", "function": freeform_function(tool, where)})
             freeform.add(tool["name"])
         else:
             raise bad_request(f"{where} is a {kind!r} tool; this server runs function and custom tools only "
@@ -218,6 +223,8 @@ def enable_thinking(body: dict) -> bool | None:
 
 def response_format(body: dict) -> dict | None:
     fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    _require(fmt is None or isinstance(fmt, dict), "text.format must be an object such as {\"type\": \"text\"}",
+             "text.format")
     if not fmt or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_schema":

@@ -53,6 +53,8 @@ def test_invalid_specs_name_the_problem(compiler, spec, message):
     (dict(json="{not json"), "not valid JSON"), (dict(choice=[]), "non-empty list"),
     (dict(choice="ab"), "list of non-empty strings"), (dict(regex="a", start_after=[]), "start_after"),
     (dict(json_object=True, start_after=[-3]), "start_after"),
+    (dict(choice=-1), "list of non-empty strings"), (dict(choice={"a": 1}), "list of non-empty strings"),
+    (dict(regex="a", start_after=7), "start_after"),
 ])
 def test_malformed_params_fail_at_construction(spec, message):
     with pytest.raises(ValueError, match=message):

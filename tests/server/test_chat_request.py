@@ -78,6 +78,7 @@ BAD = [
      "both constrain"),
     (dict(tool_choice="required"), "tool_choice", "at least one tool"),
     (dict(structured_outputs={"structural_tag": "x"}), "structured_outputs", "unknown fields"),
+    (dict(structured_outputs={"choice": -1}), "structured_outputs", "non-empty list"),
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format", "schema"),
     (dict(tools=[TOOL, TOOL]), "tools", "same name"),
 ]
@@ -95,6 +96,13 @@ def test_bad_history_arguments(backend):
         {"id": "c1", "type": "function", "function": {"name": "search", "arguments": "{not json"}}]}]
     with pytest.raises(APIError, match=r"messages\[1\].tool_calls\[0\].function.arguments is not valid JSON"):
         translator(backend).translate(ChatInputs(messages, tools=[TOOL]), SamplingParams())
+
+
+def test_tool_calls_that_are_not_a_list(backend):
+    messages = USER + [{"role": "assistant", "content": None, "tool_calls": 1.5}]
+    with pytest.raises(APIError, match=r"messages\[1\].tool_calls must be a list") as e:
+        translator(backend).translate(ChatInputs(messages), SamplingParams())
+    assert e.value.status == 400 and e.value.param == "messages.1.tool_calls"
 
 
 def test_parser_flags_override_the_template(backend):

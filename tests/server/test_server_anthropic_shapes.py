@@ -85,6 +85,10 @@ def test_tool_choice(choice, expected):
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "any"}},
      "tool_choice"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
+    ({"max_tokens": 5, "messages": [{"role": "assistant", "content": [{"type": "text", "text": 7}]}]},
+     "messages.0.content.0.text"),
+    ({"max_tokens": 5, "messages": [{"role": "assistant", "content": [{"type": "thinking", "thinking": {}}]}]},
+     "messages.0.content.0.thinking"),
 ])
 def test_bad_requests_name_the_field(body, param):
     with pytest.raises(APIError) as e:

@@ -72,6 +72,11 @@ def test_codex_first_request_translates():
     ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "x"}]}]},
      "input.0.content.0.image_url"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "hi", "text": {"format": 9}}, "text.format"),
+    ({"input": "hi", "tools": [{"type": "custom", "name": "x", "description": 1.5}]}, "tools.0.description"),
+    ({"input": "hi", "tools": [{"type": "custom", "name": "x", "format": ["grammar"]}]}, "tools.0.format"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f"}, {"type": "custom", "name": "x", "format": {
+        "type": "grammar", "definition": 7}}]}, "tools.1.format.definition"),
     ({}, "input"),
 ])
 def test_bad_requests_name_the_field(body, param):
