@@ -179,8 +179,10 @@ def _decode_visual(item, arrays: list):
     times = item["timestamps"]
     _expect(isinstance(times, list) and all(isinstance(t, (int, float)) for t in times), "timestamps",
             "a list of numbers")
-    return VisualInput(item["kind"], arrays[ref["array"]], tuple(grid), item["num_tokens"], item["content_hash"],
-                       tuple(float(t) for t in times))
+    visual = VisualInput(item["kind"], arrays[ref["array"]], tuple(grid), item["num_tokens"],
+                         tuple(float(t) for t in times))        # its content hash is computed from the pixels
+    _expect(visual.content_hash == item["content_hash"], "content_hash", "the hash of the pixels it came with")
+    return visual
 
 
 def _decode_params(fields):

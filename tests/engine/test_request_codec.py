@@ -16,7 +16,7 @@ from qnext.vision.preprocess import VisualInput
 
 def picture() -> VisualInput:
     pixels = np.random.default_rng(0).standard_normal((16, 12)).astype(np.float32)
-    return VisualInput("image", pixels, (1, 4, 4), 4, "ab" * 32)
+    return VisualInput("image", pixels, (1, 4, 4), 4)
 
 
 def test_every_op_round_trips():
@@ -82,3 +82,14 @@ def test_what_the_schema_cannot_carry_is_refused_on_rank0():
         encode_ops([("add", "r", {"prompt_token_ids": [1], "pd_source": {"prefill_url": "x"}}, None)])
     with pytest.raises(ValueError, match="preprocessed VisualInput"):
         encode_ops([("add", "r", {"prompt_token_ids": [1], "multi_modal_data": {"image": [object()]}}, None)])
+
+
+def test_a_picture_whose_hash_is_not_its_pixels_is_refused():
+    """The hash keys the prefix and encoder caches: a follower computes it from the pixels and refuses a broadcast
+    that claims another."""
+    data = encode_ops([("add", "r", {"prompt_token_ids": [1], "multi_modal_data": {"image": [picture()]}}, None)])
+    other = VisualInput("image", np.ones((16, 12), np.float32), (1, 4, 4), 4).content_hash
+    tampered = data.replace(picture().content_hash.encode(), other.encode())
+    assert tampered != data
+    with pytest.raises(ValueError, match="content_hash must be the hash of the pixels"):
+        decode_ops(tampered)
