@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -158,8 +159,9 @@ class LLMEngine(PrefillDecodeEnds):
         self.scheduler = Scheduler(config, self.cache, buckets, eos_token_ids=cfg.eos_token_ids,
                                    vocab_size=cfg.vocab_size, max_model_len=self.max_model_len)
         self.requests: dict[str, Sequence] = {}
+        identity = weakref.WeakMethod(self.model_identity)    # no cycle: a dropped engine frees by refcount
         self.prefill_exports = PrefillExports(cfg, config.tensor_parallel_size, config.block_size,
-                                              config.kv_cache_scale, self.model_identity)
+                                              config.kv_cache_scale, lambda: identity()())
 
     def warm_up(self, on_bucket=None) -> int:
         """Compiles every step shape (and the common sampler variants); after it a workload compiles nothing.
