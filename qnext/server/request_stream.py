@@ -46,8 +46,8 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.finished = True
             raise item
-        if item.output.finished:
-            self.finished = True
+        if item.final:         # not item.output.finished: with n > 1 every choice's delta carries the finished
+            self.finished = True   # output, and the stream must not end before the last of them has arrived
         return item
 
     def close(self) -> None:

@@ -106,3 +106,22 @@ def test_an_engine_failure_mid_stream_is_the_sinks_error_and_closes_the_request(
         return await collect(response.body_iterator)
     out = asyncio.run(streamed())
     assert out == ["delta 'Hel'", "error 500 engine_step_failed"] and stream.closed
+
+
+def test_a_stream_of_two_choices_ends_after_the_last_delta_not_the_first():
+    """The soak's n=2 500s: the engine thread pushes one delta per choice, each carrying the finished output, each
+    in its own loop callback. The stream used to end on the first (output.finished) when the consumer ran before
+    the second arrived, and the body had no final output."""
+    from qnext.server.request_stream import RequestStream
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        stream = RequestStream("r", loop, on_abort=lambda rid: None)
+        out = RequestOutput("r", None, [1, 2], [CompletionOutput(0, "a", [3], None, None, "stop"),
+                                                CompletionOutput(1, "b", [4], None, None, "stop")], True)
+        stream.push(StreamDelta("a", [3], None, out, index=0))
+        got = [await stream.__anext__()]             # the consumer runs between the two pushes
+        stream.push(StreamDelta("b", [4], None, out, index=1, final=True))
+        got += [d async for d in stream]
+        return [(d.index, d.final) for d in got]
+    assert asyncio.run(run()) == [(0, False), (1, True)]
