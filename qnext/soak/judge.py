@@ -97,6 +97,9 @@ def resource_growth(samples: list[Sample], second_half_from: float, until: float
     return {"samples": len(window), "seconds": round(window[-1].t - window[0].t, 1),
             "rss_mib_start": round(rss0 / 2**20, 1), "rss_mib_end": round(rss1 / 2**20, 1),
             "rss_growth": round((rss1 - rss0) / rss0, 4),
+            "rss_mib_by_process": {name: [round(first[-1].rss_by_process.get(name, 0) / 2**20, 1),
+                                          round(last[-1].rss_by_process.get(name, 0) / 2**20, 1)]
+                                   for name in (last[-1].rss_by_process or {})},
             "fds_start": median(first, "fds"), "fds_end": median(last, "fds"),
             "threads_start": median(first, "threads"), "threads_end": median(last, "threads")}
 

@@ -15,6 +15,7 @@ class Sample:
     fds: int
     threads: int
     pids: tuple[int, ...]
+    rss_by_process: dict | None = None   # server name (with its descendants) -> RSS bytes
 
 
 def _status_fields(pid: int) -> dict[str, str]:
@@ -46,20 +47,24 @@ def process_tree(pid: int) -> list[int]:
     return out
 
 
-def sample(roots: list[int], t: float) -> Sample | None:
+def sample(roots, t: float) -> Sample | None:
+    """roots: pids, or {name: pid} (then the sample also has each name's RSS, its descendants included)."""
+    named = roots if isinstance(roots, dict) else {str(pid): pid for pid in roots}
     rss = fds = threads = 0
-    pids = []
-    for root in roots:
+    pids, by_name = [], {}
+    for name, root in named.items():
         for pid in process_tree(root):
             try:
                 status = _status_fields(pid)
-                rss += int(status["VmRSS"].split()[0]) * 1024
+                kib = int(status["VmRSS"].split()[0]) * 1024
                 threads += int(status["Threads"])
                 fds += len(os.listdir(f"/proc/{pid}/fd"))
-                pids.append(pid)
             except (OSError, KeyError, ValueError):
-                pass
-    return Sample(t, rss, fds, threads, tuple(sorted(pids))) if pids else None
+                continue
+            rss += kib
+            by_name[name] = by_name.get(name, 0) + kib
+            pids.append(pid)
+    return Sample(t, rss, fds, threads, tuple(sorted(pids)), by_name) if pids else None
 
 
 class ProcessMonitor:

@@ -60,8 +60,9 @@ class Shape:
     def model(self) -> str:
         return DEMO_MODEL_NAME
 
-    def roots(self) -> list[int]:
-        return [s.proc.pid for s in self.servers.values() if s.proc.poll() is None]
+    def roots(self) -> dict[str, int]:
+        """The live server processes by name (front, prefill, decode, rank1, ...)."""
+        return {name: s.proc.pid for name, s in self.servers.items() if s.proc.poll() is None}
 
     def start(self) -> None:
         raise NotImplementedError
