@@ -8,9 +8,7 @@ import json
 import random
 from typing import Any
 
-from hypothesis import HealthCheck, Phase, given, seed, settings
-from hypothesis import strategies as st
-
+from qnext.optional import optional_import
 from qnext.testing.api_fuzz.mutations import RAW_BODIES, cost_capped, restore_refs, spiked, whole_numbers_as_ints
 from qnext.testing.api_fuzz.request_schemas import ROUTES, openapi_document
 
@@ -49,15 +47,18 @@ def encode_body(body: Any) -> bytes:
         return json.dumps(body).encode("ascii")
 
 
+PURPOSE = "API fuzzing (scripts/fuzz_api.py)"
+
+
 def _schemathesis_body(case) -> Any:
-    from schemathesis.core import NOT_SET
+    not_set = optional_import("schemathesis.core", "fuzz", PURPOSE).NOT_SET
+    return None if case.body is not_set else case.body
 
-    return None if case.body is NOT_SET else case.body
 
-
-def case_strategy(api: str) -> st.SearchStrategy[FuzzCase]:
-    import schemathesis
-    from schemathesis.generation.modes import GenerationMode
+def case_strategy(api: str) -> "st.SearchStrategy[FuzzCase]":
+    st = optional_import("hypothesis.strategies", "fuzz", PURPOSE)
+    schemathesis = optional_import("schemathesis", "fuzz", PURPOSE)
+    GenerationMode = optional_import("schemathesis.generation.modes", "fuzz", PURPOSE).GenerationMode
 
     route = ROUTES[api][0]
     operation = schemathesis.openapi.from_dict(openapi_document())[route]["POST"]
@@ -93,12 +94,13 @@ def get_cases() -> list[FuzzCase]:
 
 def generate_cases(api: str, count: int, seed_value: int = 0) -> list[FuzzCase]:
     """`count` cases for `api` (one of APIS), the same ones for the same seed."""
+    hypothesis = optional_import("hypothesis", "fuzz", PURPOSE)
     out: list[FuzzCase] = []
 
-    @seed(seed_value)
-    @settings(max_examples=count, phases=[Phase.generate], database=None, deadline=None,
-              suppress_health_check=list(HealthCheck))
-    @given(case_strategy(api))
+    @hypothesis.seed(seed_value)
+    @hypothesis.settings(max_examples=count, phases=[hypothesis.Phase.generate], database=None, deadline=None,
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(case_strategy(api))
     def collect(case: FuzzCase) -> None:
         out.append(case)
 
