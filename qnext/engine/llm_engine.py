@@ -266,8 +266,10 @@ class LLMEngine(PrefillDecodeEnds):
         the in-memory weights after from_params or update_weights). Every PD transfer and every rank's handshake
         carries it: two processes that agree on it compute the same model. Computed once (reading the weights)."""
         if self._model_identity is None:
-            weights = (files_digest(self._checkpoint_files) if self._checkpoint_files is not None
-                       else params_weights_digest(self.runner.params))
+            if self._checkpoint_files is None:
+                weights = params_weights_digest(self.runner.params)
+            else:                # the persisted cache's memoized digest of the same files, when it has one
+                weights = self._weights_digest or files_digest(self._checkpoint_files)
             self._model_identity = model_identity_digest(self.model_config, weights, self.config.dtype,
                                                          self.config.fp8_weights)
         return self._model_identity
