@@ -7,11 +7,13 @@ commit (publish what the step wrote) -> free (finish / abort / preempt). Nothing
 before the commit of the step that wrote it. What is kept and evicted first is the policy's (cache/policy.py).
 With a host tier (config.num_host_blocks / num_host_snapshot_slots; cache/tiers.py) evictions are offloaded and a
 match continues into the host tier; the copies this decides are taken with `take_transfers` before each step.
-The snapshots' lifecycle (cache/snapshot_lifecycle.py) and the forks (cache/forks.py) are objects it holds.
+The snapshots' lifecycle (cache/snapshot_lifecycle.py), the capture rows (cache/capture_rows.py) and the forks
+(cache/forks.py) are objects it holds; cache/siblings.py finds the sequence a prompt waits for.
 """
 from typing import Hashable, Sequence
 
 from cache.block_pool import BlockPool
+from cache.capture_rows import CaptureRows
 from cache.config import CacheConfig
 from cache.forks import ForkCopies, Forks
 from cache.hashing import BlockHashFn, block_hashes, hash_block_tokens
@@ -21,6 +23,7 @@ from cache.mamba_registry import MambaPrefixRegistry
 from cache.records import Admission, SequenceRecord
 from cache.policy import CachePolicy
 from cache.publishing import Publisher
+from cache.siblings import uncomputed_sibling
 from cache.snapshot_lifecycle import SnapshotLifecycle, weak_method
 from cache.stats import CacheStats
 from cache.tiers import HostTier
@@ -48,6 +51,7 @@ class CacheManager(TransferredPrompts):
         self.snapshots = self.lifecycle.pool
         self.publisher = Publisher(config, self.policy, self.blocks, self.tier, self.lifecycle, block_hash_fn)
         self.forks = Forks(config.block_size, self.blocks)
+        self.captures = CaptureRows(config, self.policy, self.lifecycle)
         self._offload_evictions = True  # False while clearing: nothing cleared is kept in any tier
         self._free_slots = list(range(config.num_live_slots, 0, -1))
         self._seqs: dict[Hashable, SequenceRecord] = {}
@@ -176,11 +180,7 @@ class CacheManager(TransferredPrompts):
         bs, n = self.config.block_size, len(prompt_token_ids)
         limit = (n - 1) // bs
         hashes = block_hashes(prompt_token_ids[:limit * bs], bs, self.block_hash_fn, check_image_spans(images, n))
-        best_id, best = None, 0
-        for seq_id, seq in self._seqs.items():
-            shared = _common_prefix(hashes, seq.hashes[:seq.prompt_len // bs])
-            if seq.cacheable and shared > max(best, len(seq.chain)):
-                best_id, best = seq_id, shared
+        best_id, best = uncomputed_sibling(hashes, self._seqs, bs)
         if best_id is None:
             return None
         matched = self.blocks.match(hashes, prompt_token_ids, bs)
@@ -196,47 +196,21 @@ class CacheManager(TransferredPrompts):
         return list(self._seq(seq_id).capture_plan)
 
     def reserve_capture(self, seq_id, position: int) -> int | None:
-        seq = self._seq(seq_id)
-        bs = self.config.block_size
-        if position % bs or not seq.num_cached_tokens < position <= seq.prompt_len:
-            raise ValueError(f"capture position {position} must be a multiple of {bs} in "
-                             f"({seq.num_cached_tokens}, {seq.prompt_len}]")
-        if position in seq.pending_captures:
-            return seq.pending_captures[position]
-        row = self.snapshots.reserve() if self.uses_snapshots else None
-        if row is not None:
-            seq.pending_captures[position] = row
-            self._track_peaks()
+        row = self.captures.reserve(self._seq(seq_id), position)
+        self._track_peaks()
         return row
 
     def decode_capture_row(self, seq_id, position: int) -> int | None:
-        """The row that holds (or is about to hold) the state after `position` decoded tokens: the tracking row,
-        or a row of its own under a policy that keeps every decode snapshot. None: no capture here."""
-        seq = self._seq(seq_id)
-        if position % self.config.block_size or position <= 0:
-            raise ValueError(f"decode capture position {position} must be a positive multiple of "
-                             f"{self.config.block_size}")
-        if not self.policy.tracks_decode_boundary(position):
-            return None
-        if self.policy.keep_every_decode_snapshot:
-            row = self.snapshots.reserve() if self.uses_snapshots else None
-            if row is not None:
-                seq.pending_captures[position] = row
-            return row
-        if self.decode_tracking_row(seq_id) is not None:
-            seq.decode_position = position
-        return seq.decode_row
+        """The row that holds (or is about to hold) the state after `position` decoded tokens (CaptureRows)."""
+        row = self.captures.decode_row(self._seq(seq_id), position)
+        self._track_peaks()
+        return row
 
     def decode_tracking_row(self, seq_id) -> int | None:
-        """The row a decoding sequence's block-boundary states go to (reserved on first use), without moving its
-        recorded position: a multi-step call writes it only in the step that reaches a boundary, which the host
-        learns afterwards, and then records with `decode_capture_row`. The row is held for the sequence's life, so
-        reserving it never evicts a snapshot that earned protection (None: no tracking, try again later)."""
-        seq = self._seq(seq_id)
-        if seq.decode_row is None and self.uses_snapshots:
-            seq.decode_row = self.snapshots.reserve(may_evict_protected=False)
-            self._track_peaks()
-        return seq.decode_row
+        """The row a decoding sequence's block-boundary states go to, its position not moved (CaptureRows)."""
+        row = self.captures.tracking_row(self._seq(seq_id))
+        self._track_peaks()
+        return row
 
     def append_slots(self, seq_id, num_tokens: int) -> bool:
         """Blocks for the first num_tokens tokens; False (and nothing evicted or changed) if they cannot be had."""
@@ -319,7 +293,7 @@ class CacheManager(TransferredPrompts):
 
     def take_transfers(self) -> TransferPlan:
         """The copies between tiers decided since the last call, in order (cache/transfers.py); the scheduler runs
-        them (cache/device_buffers.py) before it lends the buffers to the next step."""
+        them (cache/host_tier_buffers.py) before it lends the buffers to the next step."""
         return self.tier.take_transfers()
 
     # ---- internals ------------------------------------------------------------------------------------------------
@@ -343,7 +317,3 @@ class CacheManager(TransferredPrompts):
         self.stats.track_peaks(self.blocks.num_used, self.config.num_live_slots - len(self._free_slots),
                                self.snapshots.num_in_use)
 
-
-def _common_prefix(a: Sequence[bytes], b: Sequence[bytes]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
