@@ -51,3 +51,25 @@ def test_mixed_batch_gives_each_row_what_it_gives_alone(setup):
     model = qnext.load_model(base)
     for p, lora, toks in zip(PROMPTS[:4], adapters, mixed):
         assert toks[0] == int(np.argmax(with_adapter(model, lora.lora_path).logits(p)[-1]))
+
+
+def test_prefix_cache_keys_on_the_adapter_weights(setup):
+    """Same adapter: the prefix is shared. Another adapter, or the base, or the same name and id re-saved with new
+    weights: nothing is shared (each would serve another model's KV and states if the digest left the keys)."""
+    base, adapters, llm, root, hf = setup
+    prompt = {"prompt_token_ids": [int(t) for t in np.random.default_rng(9).integers(3, 500, 70)]}
+    first = llm.generate(prompt, GREEDY, lora_request=adapters[0])[0]
+    again = llm.generate(prompt, GREEDY, lora_request=adapters[0])[0]
+    assert again.num_cached_tokens >= 48 and _tokens([again]) == _tokens([first])
+    assert llm.generate(prompt, GREEDY, lora_request=adapters[1])[0].num_cached_tokens == 0
+    assert llm.generate(prompt, GREEDY)[0].num_cached_tokens == 0
+
+    reloaded = qnext.LoRARequest("a0", 1, str(root / "a0"))     # same name, id and path; new weights
+    import time
+    time.sleep(0.01)
+    make_adapter(hf, root / "a0", TARGETS["qwen3_5"], seed=40, scale=0.15)
+    out = llm.generate(prompt, GREEDY, lora_request=reloaded)[0]
+    assert out.num_cached_tokens == 0
+    model = qnext.load_model(base)
+    assert out.outputs[0].token_ids[0] == int(np.argmax(with_adapter(model, root / "a0").logits(
+        prompt["prompt_token_ids"])[-1]))
