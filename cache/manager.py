@@ -104,12 +104,14 @@ class CacheManager(TransferredPrompts):
 
     # ---- admission ------------------------------------------------------------------------------------------------
     def admit(self, seq_id, prompt_token_ids: Sequence[int], num_forks: int = 0,
-              turn_starts: Sequence[int] = (), images: Sequence[ImageSpan] = ()) -> Admission | None:
+              turn_starts: Sequence[int] = (), images: Sequence[ImageSpan] = (),
+              hash_root: bytes | None = None) -> Admission | None:
         """None when no slot or not enough blocks: the cache is then left exactly as it was (retry later).
         num_forks: live rows and blocks reserved for that many `fork`s after the prompt (cache/forks.py).
         turn_starts: where the prompt's chat turns begin (positions of `<|im_start|>`), for the capture policy.
         images: the prompt's image spans: their blocks key on the images (cache/image_keys.py), and a snapshot is
-        planned at the boundary at or before each `<|vision_start|>` (the token before a span)."""
+        planned at the boundary at or before each `<|vision_start|>` (the token before a span).
+        hash_root: the root of its block hash chain (a LoRA adapter's digest: cache/hashing.py)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already admitted; free it first")
         n = len(prompt_token_ids)
@@ -121,7 +123,7 @@ class CacheManager(TransferredPrompts):
             return None
         bs = self.config.block_size
         images = check_image_spans(images, n)
-        hashes = block_hashes(prompt_token_ids, bs, self.block_hash_fn, images)
+        hashes = block_hashes(prompt_token_ids, bs, self.block_hash_fn, images, hash_root)
         matched: list[int] = []
         on_host: list[HostBlock] = []
         if self.config.enable_prefix_caching:  # the last prompt token is never served from cache
@@ -151,7 +153,7 @@ class CacheManager(TransferredPrompts):
         seq = SequenceRecord(prompt_len=n, hashes=hashes, block_table=chain + fresh[len(loaded):],
                              state_row=state_row, num_cached_tokens=depth * bs, chain=chain, pinned_row=restore_row,
                              kv_matched_tokens=kv_matched * bs, host_tokens=len(loaded) * bs,
-                             restored_hash=restored_hash, restored_origin=restored_origin,
+                             restored_hash=restored_hash, restored_origin=restored_origin, hash_root=hash_root,
                              snapshot_from_host=from_host,
                              restored_in_live_row=from_host and restore_row is None, images=images)
         if restore_row is not None:
@@ -167,7 +169,8 @@ class CacheManager(TransferredPrompts):
         return Admission(depth * bs, seq.block_table, seq.state_row,
                          seq.state_row if seq.restored_in_live_row else restore_row, kv_matched * bs)
 
-    def sibling_prefix(self, prompt_token_ids: Sequence[int], images: Sequence[ImageSpan] = ()) -> tuple | None:
+    def sibling_prefix(self, prompt_token_ids: Sequence[int], images: Sequence[ImageSpan] = (),
+                       hash_root: bytes | None = None) -> tuple | None:
         """(seq_id, tokens) of an admitted sequence that shares more of this prompt than the cache serves now, by at
         least the policy's `sibling_wait_tokens`, and has not computed that shared prefix yet; that sequence now
         also captures a snapshot where the prompts part. A scheduler holds the prompt back while this answers (the
@@ -179,7 +182,8 @@ class CacheManager(TransferredPrompts):
             return None
         bs, n = self.config.block_size, len(prompt_token_ids)
         limit = (n - 1) // bs
-        hashes = block_hashes(prompt_token_ids[:limit * bs], bs, self.block_hash_fn, check_image_spans(images, n))
+        hashes = block_hashes(prompt_token_ids[:limit * bs], bs, self.block_hash_fn, check_image_spans(images, n),
+                              hash_root)
         best_id, best = uncomputed_sibling(hashes, self._seqs, bs)
         if best_id is None:
             return None

@@ -49,6 +49,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"              # vLLM's: "fp8" stores attention KV as e4m3 (cache/cache_dtypes.py)
     kv_cache_scale: float = 1.0               # fp8 KV: stored = value / scale (vLLM's default 1.0 for hybrids)
     mamba_ssm_cache_dtype: str = "auto"       # vLLM's: stored snapshots' recurrent state ("bfloat16"; auto: float32)
+    enable_lora: bool = False                 # vLLM's: serve LoRA adapters (LoRARequest; docs/lora.md)
+    max_loras: int = 1                        # vLLM's: adapters on device at once (one step mixes any of them)
+    max_lora_rank: int = 16                   # vLLM's: the largest adapter rank accepted
     fp8_weights: str = "auto"                 # an FP8 checkpoint's weights: "keep" (e4m3 + block scales on the
                                               # device), "dequantize" (widened at load); auto: keep on GPU (docs/fp8.md)
 
@@ -96,6 +99,14 @@ class EngineConfig:
             if self.num_scheduler_steps > 1:
                 raise ValueError("speculative decoding already runs several tokens per call: use "
                                  "num_scheduler_steps=1 with speculative_config")
+        if self.enable_lora:
+            for name in ("max_loras", "max_lora_rank"):
+                if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                    raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+            for name, plain in (("tensor_parallel_size", 1), ("num_scheduler_steps", 1), ("speculative_config", None)):
+                if getattr(self, name) != plain:
+                    raise ValueError(f"enable_lora does not yet combine with {name}={getattr(self, name)!r}; "
+                                     f"use {name}={plain!r} with LoRA")
         for name in ("prefix_cache_dir", "compilation_cache_dir"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):

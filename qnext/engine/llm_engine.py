@@ -40,6 +40,8 @@ from qnext.engine.sequence import Sequence
 from qnext.engine.stats import EngineStats
 from qnext.engine.visual_encoder import VisionSetup, VisualEncoder
 from qnext.engine.visual_intake import vision_setup
+from qnext.lora.adapter_stacks import AdapterStacks
+from qnext.lora.registry import AdapterRegistry, LoRARequest
 from qnext.model.buckets import BucketTable
 from qnext.model.checkpoint import load_checkpoint
 from qnext.model.loader import checkpoint_files
@@ -149,8 +151,11 @@ class LLMEngine(PrefillDecodeEnds):
         self.stats = EngineStats()
         self.vision = vision                 # the checkpoint's tower (None: text only; docs/vision.md)
         self.visual_encoder = VisualEncoder(vision, config.encoder_cache_bytes, self.stats) if vision else None
+        self.lora = AdapterRegistry(AdapterStacks(cfg, params["embed"].dtype, config.max_loras,
+                                                  config.max_lora_rank)) if config.enable_lora else None
         self.runner = ModelRunner(cfg, params, config, buckets, self.stats,
-                                  None if mtp is None else drafter(cfg, mtp, config), self.visual_encoder)
+                                  None if mtp is None else drafter(cfg, mtp, config), self.visual_encoder,
+                                  self.lora.stacks if self.lora is not None else None)
         self._weight_update = WeightUpdate(cfg, config.dtype, config.tensor_parallel_size)
         self.cache_sizes = cache_sizes(cfg, config, self.max_model_len, self.runner.activation_bytes)
         persisted = config.prefix_cache_dir is not None and config.enable_prefix_caching
@@ -195,13 +200,23 @@ class LLMEngine(PrefillDecodeEnds):
         the rest of it."""
         return self.intake.grammar_compiler()
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        """lora_request: the adapter the request runs with (engine option enable_lora; docs/lora.md)."""
         if self._closed:
             raise RuntimeError("the engine is closed; start a new one (with the same prefix_cache_dir to reuse its "
                                "cache)")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = self.intake.samples(request_id, prompt, params or SamplingParams())[0]
+        samples = self.intake.samples(request_id, prompt, params or SamplingParams())
+        seq = samples[0]
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(f"request {request_id!r} names LoRA adapter {lora_request.lora_name!r}, but the "
+                                 "engine was started without enable_lora=True")
+            active = self.lora.acquire(lora_request, len(samples))
+            for sample in samples:
+                sample.lora = active
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         self.stats.num_prompt_tokens += len(seq.prompt_token_ids)
@@ -218,8 +233,13 @@ class LLMEngine(PrefillDecodeEnds):
         for sample in samples:
             if not sample.is_finished:
                 self.scheduler.abort(sample)
-                self.runner.free(sample.request_id)
+                self._free(sample)
         return request_output(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        self.runner.free(seq.request_id)
+        if seq.lora is not None:
+            self.lora.release(seq.lora)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
@@ -305,7 +325,7 @@ class LLMEngine(PrefillDecodeEnds):
         self.prefill_exports.export(self.scheduler, self.cache.manager)
         for seq in updated:
             if seq.is_finished:
-                self.runner.free(seq.request_id)
+                self._free(seq)
         outputs = [request_output(seq) for seq in dict.fromkeys(seq.first for seq in updated)]
         t3 = time.perf_counter()
         self.stats.record_step(plan.items, generated, t0, t1, t2, t3)

@@ -25,6 +25,7 @@ from qnext.engine.window import WindowInputs, window_inputs
 from qnext.model.argmax import first_argmax
 from qnext.model.buckets import BucketTable
 from qnext.model.forward import forward, forward_with_hidden
+from qnext.lora.adapter_stacks import AdapterStacks
 from qnext.model.step_inputs import Segment, build_step_inputs
 from qnext.model.tensor_parallel import local_config, shard_step, sharded_model_config
 from qnext.sampling_params import SamplingParams
@@ -93,9 +94,11 @@ def _num_sampler_rows(plan: StepPlan, num_drawing: int) -> int:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, config: EngineConfig, buckets: BucketTable, stats: EngineStats,
-                 drafter: Drafter | None = None, visual_encoder=None):
+                 drafter: Drafter | None = None, visual_encoder=None, lora: AdapterStacks | None = None):
         """drafter: the MTP head's (drafter.py) when the engine speculates. visual_encoder: the vision tower's
-        (visual_encoder.py) when the checkpoint has one; steps with pictures get its outputs and MRoPE positions."""
+        (visual_encoder.py) when the checkpoint has one; steps with pictures get its outputs and MRoPE positions.
+        lora: the LoRA adapters on device (engine option enable_lora); each token uses its segment's slot."""
+        self.lora = lora
         self.cfg = cfg
         self.params = params
         self.config = config
@@ -118,15 +121,16 @@ class ModelRunner:
     def _execute_single(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
         inputs = build_step_inputs([it.segment for it in plan.items], plan.bucket.sizes,
-                                   block_size=self.config.block_size, chunk=plan.bucket.chunk)
+                                   block_size=self.config.block_size, chunk=plan.bucket.chunk,
+                                   with_lora=self.lora is not None)
         if self.visual_encoder is not None:
             inputs = self.visual_encoder.attach(plan.items, inputs)
         t1 = time.perf_counter()
         hidden = None
         if self.drafter is not None:
-            logits, greedy, hidden, buffers = self._step(self.params, plan.buffers, inputs)
+            logits, greedy, hidden, buffers = self._step(self._step_params(), plan.buffers, inputs)
         else:
-            logits, greedy, buffers = self._step(self.params, plan.buffers, inputs)
+            logits, greedy, buffers = self._step(self._step_params(), plan.buffers, inputs)
         bitmask = self._token_bitmask(plan)          # on the host while the device runs the step
         jax.block_until_ready(logits)
         t2 = time.perf_counter()
@@ -203,6 +207,10 @@ class ModelRunner:
         result = jax.device_get(_sample_rows(logits, index, tensors, num_logprobs=num_logprobs))
         return {it.seq.request_id: SampledToken.from_output(result, j) for j, (_, it) in enumerate(sampling)}
 
+    def _step_params(self):
+        """The weights the step runs: with LoRA, the adaptable leaves wrapped with the adapter stacks."""
+        return self.params if self.lora is None else self.lora.attach(self.params)
+
     def free(self, request_id: str) -> None:
         self.sampler_inputs.free(request_id)
 
@@ -220,7 +228,8 @@ class ModelRunner:
         bucket = max(self.buckets.all, key=lambda b: b.sizes.num_tokens)
         s = bucket.sizes
         segments = [Segment([0] * 2, 0, [0], -1, 0)] if s.num_chunks else [Segment([0], 0, [0], -1, 0)] * 2
-        inputs = build_step_inputs(segments, s, block_size=self.config.block_size, chunk=bucket.chunk)
+        inputs = build_step_inputs(segments, s, block_size=self.config.block_size, chunk=bucket.chunk,
+                                   with_lora=self.lora is not None)
         layout = cache_layout(sharded_model_config(self.cfg, self.config.tensor_parallel_size),
                               self.params["embed"].dtype, 0, self.config.kv_cache_dtype,
                               self.config.mamba_ssm_cache_dtype)
@@ -274,12 +283,13 @@ class ModelRunner:
             segments = [Segment([0], 0, [0], -1, 0) for _ in range(decode)]
             if s.num_chunks:
                 segments.append(Segment([0] * 2, 0, [0], -1, 0))
-            inputs = build_step_inputs(segments, s, block_size=self.config.block_size, chunk=bucket.chunk)
+            inputs = build_step_inputs(segments, s, block_size=self.config.block_size, chunk=bucket.chunk,
+                                   with_lora=self.lora is not None)
             if self.drafter is not None:
-                logits, _, hidden, buffers = self._step(self.params, buffers, inputs)
+                logits, _, hidden, buffers = self._step(self._step_params(), buffers, inputs)
                 buffers = self.drafter.warm_up(self.params, bucket, inputs, hidden, buffers)
             else:
-                logits, _, buffers = self._step(self.params, buffers, inputs)
+                logits, _, buffers = self._step(self._step_params(), buffers, inputs)
             if self._window is not None and bucket.is_decode:     # decode buckets also run windows
                 buffers = self._warm_up_window(bucket, buffers)
             for params in _WARM_UP_SAMPLING if s.num_logits not in sampler_rows else ():   # most requests' variants

@@ -82,7 +82,8 @@ class Scheduler:
             captures = {p: rows.get((w.seq.request_id, p), 0) for p in w.captures}
             segment = Segment(token_ids=w.seq.token_slice(w.start, w.end), start=w.start,
                               block_table=list(self.cache.block_table(w.seq.request_id)), read_row=read_row,
-                              write_row=write_row, captures=captures)
+                              write_row=write_row, captures=captures,
+                              lora_slot=w.seq.lora.slot if w.seq.lora is not None else 0)
             samples = w.end == w.seq.num_tokens
             items.append(ScheduledSequence(w.seq, segment, samples, list(w.seq.pending_forks) if samples else []))
         bucket = self.buckets.bucket_for([it.segment for it in items])
@@ -126,7 +127,8 @@ class Scheduler:
                 budget -= 1
                 continue
             admission = self.cache.admit(seq.request_id, seq.token_ids, num_forks=forks, turn_starts=seq.turn_starts,
-                                         images=seq.visuals.spans if seq.visuals is not None else ())
+                                         images=seq.visuals.spans if seq.visuals is not None else (),
+                                         hash_root=seq.lora.hash_root if seq.lora is not None else None)
             if admission is None:
                 break
             w = self._work(seq, admission.num_cached_tokens, budget)
@@ -155,7 +157,8 @@ class Scheduler:
     def _sibling(self, seq: Sequence):
         if seq.transferred is not None:         # its prompt was computed elsewhere
             return None
-        return self.cache.sibling_prefix(seq.token_ids, seq.visuals.spans if seq.visuals is not None else ())
+        return self.cache.sibling_prefix(seq.token_ids, seq.visuals.spans if seq.visuals is not None else (),
+                                         seq.lora.hash_root if seq.lora is not None else None)
 
     def _admit_transferred(self, seq: Sequence, budget: int, layout, work: list[Work]) -> bool:
         """Admits a request whose prompt a prefill engine computed: its next step runs the first token only. The
