@@ -29,6 +29,7 @@ from qnext.engine.cache_setup import (cache_sizes, make_cache, model_identity_di
 from qnext.engine.compilation_cache import enable_compilation_cache
 from qnext.engine.config import EngineConfig, resolved_fp8_weights
 from qnext.engine.drafter import Drafter
+from qnext.engine.suffix_drafter import SuffixDrafter
 from qnext.engine.engine_cache import EngineCache
 from qnext.engine.intake import Prompt, RequestIntake
 from qnext.engine.pd_engine import PrefillDecodeEnds
@@ -72,9 +73,9 @@ class LLMEngine(PrefillDecodeEnds):
         checkpoint = load_checkpoint(model, config.dtype, tensor_parallel_size=config.tensor_parallel_size,
                                      expert_parallel=config.enable_expert_parallel,
                                      attention_tensor_parallel=config.attention_tensor_parallel,
-                                     with_mtp=bool(config.num_speculative_tokens), with_vision=True,
+                                     with_mtp=config.uses_mtp_head, with_vision=True,
                                      fp8_weights=resolved_fp8_weights(config.fp8_weights, jax.default_backend()))
-        if config.num_speculative_tokens and checkpoint.mtp is None:
+        if config.uses_mtp_head and checkpoint.mtp is None:
             raise ValueError(f"speculative_config {config.speculative_config} drafts with the checkpoint's MTP "
                              f"head, but {model} has none (no mtp.* tensors, no {MTP_FILE}); train one with "
                              "scripts/train_mtp.py or drop speculative_config")
@@ -95,7 +96,7 @@ class LLMEngine(PrefillDecodeEnds):
         drafter = options.pop("drafter", Drafter)
         config = EngineConfig(**options)
         engine.compilation_cache_dir = enable_compilation_cache(config.compilation_cache_dir)  # before any compile
-        if config.num_speculative_tokens and mtp is None:
+        if config.uses_mtp_head and mtp is None:
             raise ValueError("speculative_config needs the MTP head's params: pass mtp_params= (qnext/model/mtp.py)")
         cfg = parallel_config(cfg, config.tensor_parallel_size, config.enable_expert_parallel,
                               config.attention_tensor_parallel)
@@ -150,6 +151,7 @@ class LLMEngine(PrefillDecodeEnds):
         self.vision = vision                 # the checkpoint's tower (None: text only; docs/vision.md)
         self.visual_encoder = VisualEncoder(vision, config.encoder_cache_bytes, self.stats) if vision else None
         self.runner = ModelRunner(cfg, params, config, buckets, self.stats,
+                                  SuffixDrafter(cfg, config) if config.host_drafting else
                                   None if mtp is None else drafter(cfg, mtp, config), self.visual_encoder)
         self._weight_update = WeightUpdate(cfg, config.dtype, config.tensor_parallel_size)
         self.cache_sizes = cache_sizes(cfg, config, self.max_model_len, self.runner.activation_bytes)
