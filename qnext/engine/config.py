@@ -6,11 +6,14 @@ import os
 
 from cache.cache_dtypes import kv_storage_dtype, snapshot_storage_dtype
 from qnext.config import ModelConfig
+from qnext.engine.host_draft_options import HOST_DRAFT_METHODS, NGRAM_KEYS, SUFFIX_KEYS, HostDraftOptions, \
+    host_draft_options
 from qnext.model.rope import position_limit, position_limit_error
 
 
 SPECULATIVE_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")   # vLLM's names for the same head
-SPECULATIVE_KEYS = {"method", "num_speculative_tokens", "disable_by_batch_size", "speculative_token_map"}
+SPECULATIVE_KEYS = {"method", "num_speculative_tokens", "disable_by_batch_size", "speculative_token_map",
+                    *SUFFIX_KEYS, *NGRAM_KEYS}
 MAX_SPECULATIVE_TOKENS = 7             # a verify window of k + 1 tokens stays within one 8-row group
 
 
@@ -125,10 +128,14 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; it takes "
                              f"{', '.join(map(repr, sorted(SPECULATIVE_KEYS)))}")
-        if spec.get("method", "mtp") not in SPECULATIVE_METHODS:
+        if spec.get("method", "mtp") not in SPECULATIVE_METHODS + HOST_DRAFT_METHODS:
             raise ValueError(f"speculative_config method {spec.get('method')!r} is not supported; qnext drafts with "
-                             f"the checkpoint's MTP head: one of {SPECULATIVE_METHODS}")
-        k = spec.get("num_speculative_tokens")
+                             f"the checkpoint's MTP head ({', '.join(SPECULATIVE_METHODS)}) or from the text "
+                             f"({', '.join(HOST_DRAFT_METHODS)})")
+        if spec.get("method") in HOST_DRAFT_METHODS:
+            host_draft_options(spec)
+        # suffix decoding chooses how many it drafts; num_speculative_tokens bounds it (default: the most)
+        k = spec.get("num_speculative_tokens", MAX_SPECULATIVE_TOKENS if spec.get("method") == "suffix" else None)
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config num_speculative_tokens must be an integer in "
                              f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
@@ -163,9 +170,21 @@ class EngineConfig:
         return max_rows is not None and num_rows > max_rows
 
     @property
+    def uses_mtp_head(self) -> bool:
+        """Whether speculative_config drafts with the checkpoint's MTP head (else: none, or drafts from the text)."""
+        return bool(self.num_speculative_tokens) and self.speculative_config.get("method", "mtp") in SPECULATIVE_METHODS
+
+    @property
+    def host_drafting(self) -> HostDraftOptions | None:
+        """The options of suffix / ngram drafting (host_draft_options.py), None for MTP or no speculation."""
+        if not self.num_speculative_tokens or self.uses_mtp_head:
+            return None
+        return host_draft_options(self.speculative_config)
+
+    @property
     def num_mtp_kv_layers(self) -> int:
         """KV layers the cache holds beyond the model's: the MTP head's one attention layer when it drafts."""
-        return 1 if self.speculative_config is not None else 0
+        return 1 if self.uses_mtp_head else 0
 
     def resolved_prefill_chunk(self, backend: str) -> int:
         """The option, or by backend: 32 on CPU (XLA:CPU runs the chunked delta rule's small per-chunk matmuls

@@ -29,6 +29,7 @@ from qnext.engine.cache_setup import (cache_sizes, make_cache, model_identity_di
 from qnext.engine.compilation_cache import enable_compilation_cache
 from qnext.engine.config import EngineConfig, resolved_fp8_weights
 from qnext.engine.drafter import Drafter
+from qnext.engine.suffix_drafter import SuffixDrafter
 from qnext.engine.engine_cache import EngineCache
 from qnext.engine.intake import Prompt, RequestIntake
 from qnext.engine.pd_engine import PrefillDecodeEnds
@@ -74,9 +75,9 @@ class LLMEngine(PrefillDecodeEnds):
         checkpoint = load_checkpoint(model, config.dtype, tensor_parallel_size=config.tensor_parallel_size,
                                      expert_parallel=config.enable_expert_parallel,
                                      attention_tensor_parallel=config.attention_tensor_parallel,
-                                     with_mtp=bool(config.num_speculative_tokens), with_vision=True,
+                                     with_mtp=config.uses_mtp_head, with_vision=True,
                                      fp8_weights=resolved_fp8_weights(config.fp8_weights, jax.default_backend()))
-        if config.num_speculative_tokens and checkpoint.mtp is None:
+        if config.uses_mtp_head and checkpoint.mtp is None:
             raise ValueError(f"speculative_config {config.speculative_config} drafts with the checkpoint's MTP "
                              f"head, but {model} has none (no mtp.* tensors, no {MTP_FILE}); train one with "
                              "scripts/train_mtp.py or drop speculative_config")
@@ -97,7 +98,7 @@ class LLMEngine(PrefillDecodeEnds):
         drafter = options.pop("drafter", Drafter)
         config = EngineConfig(**options)
         engine.compilation_cache_dir = enable_compilation_cache(config.compilation_cache_dir)  # before any compile
-        if config.num_speculative_tokens and mtp is None:
+        if config.uses_mtp_head and mtp is None:
             raise ValueError("speculative_config needs the MTP head's params: pass mtp_params= (qnext/model/mtp.py)")
         cfg = parallel_config(cfg, config.tensor_parallel_size, config.enable_expert_parallel,
                               config.attention_tensor_parallel)
@@ -154,6 +155,7 @@ class LLMEngine(PrefillDecodeEnds):
         self.lora = AdapterRegistry(AdapterStacks(cfg, params["embed"].dtype, config.max_loras,
                                                   config.max_lora_rank)) if config.enable_lora else None
         self.runner = ModelRunner(cfg, params, config, buckets, self.stats,
+                                  SuffixDrafter(cfg, config) if config.host_drafting else
                                   None if mtp is None else drafter(cfg, mtp, config), self.visual_encoder,
                                   self.lora.stacks if self.lora is not None else None)
         self._weight_update = WeightUpdate(cfg, config.dtype, config.tensor_parallel_size)

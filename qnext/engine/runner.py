@@ -95,9 +95,10 @@ def _num_sampler_rows(plan: StepPlan, num_drawing: int) -> int:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, config: EngineConfig, buckets: BucketTable, stats: EngineStats,
                  drafter: Drafter | None = None, visual_encoder=None, lora: AdapterStacks | None = None):
-        """drafter: the MTP head's (drafter.py) when the engine speculates. visual_encoder: the vision tower's
-        (visual_encoder.py) when the checkpoint has one; steps with pictures get its outputs and MRoPE positions.
-        lora: the LoRA adapters on device (engine option enable_lora); each token uses its segment's slot."""
+        """drafter: the MTP head's (drafter.py) or the host's (suffix_drafter.py) when the engine speculates.
+        visual_encoder: the vision tower's (visual_encoder.py) when the checkpoint has one; steps with pictures get
+        its outputs and MRoPE positions. lora: the LoRA adapters on device (engine option enable_lora); each token
+        uses its segment's slot."""
         self.lora = lora
         self.cfg = cfg
         self.params = params
@@ -106,7 +107,8 @@ class ModelRunner:
         self.stats = stats
         self.drafter = drafter
         self.visual_encoder = visual_encoder
-        self._step = make_engine_step(cfg, config.tensor_parallel_size, with_hidden=drafter is not None)
+        self._hidden = drafter is not None and drafter.uses_hidden_states      # MTP: the head reads them
+        self._step = make_engine_step(cfg, config.tensor_parallel_size, with_hidden=self._hidden)
         # several tokens a row in one call: the drafter's speculative step, or num_scheduler_steps decode steps
         self._window = drafter if drafter is not None else \
             MultiStep(cfg, config) if config.num_scheduler_steps > 1 else None
@@ -114,7 +116,7 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         result = self._execute_single(plan) if plan.multi is None else self._execute_window(plan)
-        if self.drafter is not None and result.drafts:
+        if self.drafter is not None:
             result.drafts = self.drafter.propose(plan, result)
         return result
 
@@ -127,7 +129,7 @@ class ModelRunner:
             inputs = self.visual_encoder.attach(plan.items, inputs)
         t1 = time.perf_counter()
         hidden = None
-        if self.drafter is not None:
+        if self._hidden:
             logits, greedy, hidden, buffers = self._step(self._step_params(), plan.buffers, inputs)
         else:
             logits, greedy, buffers = self._step(self._step_params(), plan.buffers, inputs)
@@ -213,6 +215,8 @@ class ModelRunner:
 
     def free(self, request_id: str) -> None:
         self.sampler_inputs.free(request_id)
+        if self.drafter is not None:
+            self.drafter.free(request_id)
 
     def activation_bytes(self) -> int:
         """Device bytes the largest step shape needs beyond its arguments (XLA's memory analysis of the compiled
@@ -284,8 +288,8 @@ class ModelRunner:
             if s.num_chunks:
                 segments.append(Segment([0] * 2, 0, [0], -1, 0))
             inputs = build_step_inputs(segments, s, block_size=self.config.block_size, chunk=bucket.chunk,
-                                   with_lora=self.lora is not None)
-            if self.drafter is not None:
+                                       with_lora=self.lora is not None)
+            if self._hidden:
                 logits, _, hidden, buffers = self._step(self._step_params(), buffers, inputs)
                 buffers = self.drafter.warm_up(self.params, bucket, inputs, hidden, buffers)
             else:

@@ -71,7 +71,7 @@ class Scheduler:
         c, eos, vocab = self.config, self.eos_token_ids, self.vocab_size
         speculative = speculative_ok(work, c, eos, vocab)
         if speculative or multi_step_ok(work, c, eos, vocab):
-            window = c.num_speculative_tokens + 1 if speculative else None
+            window = [1 + len(w.seq.draft_token_ids) for w in work] if speculative else None
             multi = window_plan(work, self.cache, c, eos, self.max_model_len, window)
         else:
             multi = None
@@ -87,7 +87,9 @@ class Scheduler:
             samples = w.end == w.seq.num_tokens
             items.append(ScheduledSequence(w.seq, segment, samples, list(w.seq.pending_forks) if samples else []))
         bucket = self.buckets.bucket_for([it.segment for it in items])
-        drafts = [list(w.seq.draft_token_ids) for w in work] if speculative else None
+        k = c.num_speculative_tokens            # rows drafting fewer (suffix, ngram) pad; window.steps bounds them
+        drafts = [list(w.seq.draft_token_ids) + [0] * (k - len(w.seq.draft_token_ids)) for w in work] \
+            if speculative else None
         return StepPlan(items, bucket, self.engine_cache.lend_buffers(), multi, speculative, drafts)
 
     def _pick(self) -> list[Work]:
