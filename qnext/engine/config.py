@@ -55,6 +55,7 @@ class EngineConfig:
     enable_lora: bool = False                 # vLLM's: serve LoRA adapters (LoRARequest; docs/lora.md)
     max_loras: int = 1                        # vLLM's: adapters on device at once (one step mixes any of them)
     max_lora_rank: int = 16                   # vLLM's: the largest adapter rank accepted
+    max_cpu_loras: int | None = None          # vLLM's: adapters kept in host memory, LRU (None: max_loras)
     fp8_weights: str = "auto"                 # an FP8 checkpoint's weights: "keep" (e4m3 + block scales on the
                                               # device), "dequantize" (widened at load); auto: keep on GPU (docs/fp8.md)
 
@@ -106,6 +107,10 @@ class EngineConfig:
             for name in ("max_loras", "max_lora_rank"):
                 if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                     raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+            if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int)
+                                                   or self.max_cpu_loras < self.max_loras):
+                raise ValueError(f"max_cpu_loras must be an integer of at least max_loras ({self.max_loras}), got "
+                                 f"{self.max_cpu_loras!r}")
             for name, plain in (("tensor_parallel_size", 1), ("num_scheduler_steps", 1), ("speculative_config", None)):
                 if getattr(self, name) != plain:
                     raise ValueError(f"enable_lora does not yet combine with {name}={getattr(self, name)!r}; "

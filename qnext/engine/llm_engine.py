@@ -152,8 +152,8 @@ class LLMEngine(PrefillDecodeEnds):
         self.stats = EngineStats()
         self.vision = vision                 # the checkpoint's tower (None: text only; docs/vision.md)
         self.visual_encoder = VisualEncoder(vision, config.encoder_cache_bytes, self.stats) if vision else None
-        self.lora = AdapterRegistry(AdapterStacks(cfg, params["embed"].dtype, config.max_loras,
-                                                  config.max_lora_rank)) if config.enable_lora else None
+        self.lora = AdapterRegistry(AdapterStacks(cfg, params["embed"].dtype, config.max_loras, config.max_lora_rank),
+                                    config.max_cpu_loras) if config.enable_lora else None
         self.runner = ModelRunner(cfg, params, config, buckets, self.stats,
                                   SuffixDrafter(cfg, config) if config.host_drafting else
                                   None if mtp is None else drafter(cfg, mtp, config), self.visual_encoder,
@@ -204,7 +204,8 @@ class LLMEngine(PrefillDecodeEnds):
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None) -> None:
-        """lora_request: the adapter the request runs with (engine option enable_lora; docs/lora.md)."""
+        """lora_request: the adapter the request runs with (engine option enable_lora; docs/lora.md); a prompt dict
+        may carry it as "lora_request" instead (the server's requests: it travels with the prompt)."""
         if self._closed:
             raise RuntimeError("the engine is closed; start a new one (with the same prefix_cache_dir to reuse its "
                                "cache)")
@@ -212,13 +213,15 @@ class LLMEngine(PrefillDecodeEnds):
             raise ValueError(f"request id {request_id!r} is already in use")
         samples = self.intake.samples(request_id, prompt, params or SamplingParams())
         seq = samples[0]
+        if lora_request is None and isinstance(prompt, dict):
+            lora_request = prompt.get("lora_request")
         if lora_request is not None:
             if self.lora is None:
                 raise ValueError(f"request {request_id!r} names LoRA adapter {lora_request.lora_name!r}, but the "
                                  "engine was started without enable_lora=True")
-            active = self.lora.acquire(lora_request, len(samples))
+            use = self.lora.use(lora_request, len(samples))     # its device slot is bound at admission
             for sample in samples:
-                sample.lora = active
+                sample.lora = use
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         self.stats.num_prompt_tokens += len(seq.prompt_token_ids)

@@ -123,6 +123,8 @@ class Scheduler:
             forks = len(seq.pending_forks)      # n > 1: rows and blocks for the other samples come with it
             if len(self.running) + 1 + forks > self.config.max_num_seqs:
                 break
+            if seq.lora is not None and not seq.lora.bind():
+                continue                        # every LoRA slot holds another adapter of unfinished requests
             if seq.transferred is not None:
                 if not self._admit_transferred(seq, budget, layout, work):
                     break

@@ -17,7 +17,7 @@ from qnext.structured.thinking_budget import ThinkingBudget
 from qnext.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    from qnext.lora.registry import ActiveAdapter
+    from qnext.lora.registry import AdapterUse
     from qnext.engine.pd_transfer import TransferredPrompt
     from qnext.engine.visual_request import SequenceVisuals
 
@@ -52,7 +52,7 @@ class Sequence:
     structured: StructuredState | None = None   # the grammar's matcher when params.structured_outputs is set
     thinking: ThinkingBudget | None = None      # when params.thinking_token_budget is set
     turn_starts: tuple[int, ...] = ()           # positions of the prompt's last chat-turn starts (`<|im_start|>`)
-    lora: "ActiveAdapter | None" = None         # its LoRA adapter's device slot and cache key (qnext/lora)
+    lora: "AdapterUse | None" = None            # its LoRA adapter's device slot and cache key (qnext/lora)
     visuals: "SequenceVisuals | None" = None   # its images / videos (engine/visual_request.py); None: text only
     # Parallel sampling (n > 1): every sample of a request is a Sequence; `group` (shared by all of them) lists
     # them by index, sample 0 first. Sample 0 is admitted and prefills the prompt; the others wait in its
