@@ -1,9 +1,9 @@
 """The one way into the engine for every API: the served model's names, the prompt (a chat rendered by the
 checkpoint's template, or a text), the room the prompt leaves in max_model_len, and the engine loop's add.
 
-    admission.check_model(req.model)                               # 404 naming the served names
+    lora = admission.check_model(req.model)                        # 404 naming the served names; a LoRA adapter
     chat = await admission.chat(inputs, params)                     # ChatInputs + SamplingParams -> ChatRequest
-    stream = await admission.admit_chat("chatcmpl", chat)
+    stream = await admission.admit_chat("chatcmpl", chat, lora)
 
 clamp (admit_chat: chat completions, Anthropic Messages, Responses): max_tokens is an upper bound, cut to the room
 the prompt leaves (agents send one large cap whatever the context); without it (/v1/completions) prompt +
@@ -16,10 +16,12 @@ import uuid
 from typing import Sequence
 
 from qnext.engine.intake import validate_prompt
+from qnext.lora.registry import LoRARequest
 from qnext.sampling_params import SamplingParams
 from qnext.server.chat_request import ChatInputs, ChatRequest, ChatTranslator
 from qnext.server.engine_loop import AsyncEngine, EngineStepError, EngineStoppedError, QueueFullError, RequestError
 from qnext.server.errors import APIError, bad_request, engine_error
+from qnext.server.lora_adapters import ServedAdapters
 from qnext.server.pd_serving import PD_REQUEST
 from qnext.server.prompt_bound import PromptBound
 from qnext.server.request_stream import RequestStream
@@ -33,11 +35,13 @@ def new_request_id(prefix: str) -> str:
 class Admission:
     def __init__(self, async_engine: AsyncEngine, model_name: str, *, aliases: Sequence[str] = (),
                  tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                 media_limits: MediaLimits = MediaLimits()):
+                 media_limits: MediaLimits = MediaLimits(), adapters: ServedAdapters | None = None):
+        """adapters: the LoRA adapters served by name (server/lora_adapters.py; None: LoRA is off)."""
         engine = async_engine.engine
         self.async_engine = async_engine
         self.model_name = model_name
         self.model_names = tuple(dict.fromkeys([model_name, *aliases]))     # what clients may send as `model`
+        self.adapters = adapters
         self.tokenizer = engine.tokenizer       # thread-safe on its own; the engine itself is not touched here
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
@@ -51,11 +55,20 @@ class Admission:
         self.media_pool = concurrent.futures.ThreadPoolExecutor(media_limits.workers,
                                                                 thread_name_prefix="qnext-media")
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
-            served = ", ".join(repr(n) for n in self.model_names)
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {served}",
-                           param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model); 404 for a name this server does not serve."""
+        if model is None or model in self.model_names:
+            return None
+        served = self.adapters.get(model) if self.adapters is not None else None
+        if served is not None:
+            return served.request
+        names = [*self.model_names, *(self.adapters.names() if self.adapters is not None else ())]
+        raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                       f"{', '.join(repr(n) for n in names)}", param="model", code="model_not_found")
+
+    def response_model(self, lora: LoRARequest | None) -> str:
+        """The `model` a response reports: the adapter's name, else the base model's (as vLLM)."""
+        return lora.lora_name if lora is not None else self.model_name
 
     async def chat(self, inputs: ChatInputs, params: SamplingParams) -> ChatRequest:
         """The prompt, constraint and parsers of a chat (messages whose text alone cannot fit are refused before
@@ -93,18 +106,21 @@ class Admission:
                               f"{n + params.max_tokens} tokens, more than max_model_len {limit}; ask for at most "
                               f"{limit - n} tokens", "max_tokens")
 
-    async def admit_chat(self, id_prefix: str, chat: ChatRequest) -> RequestStream:
+    async def admit_chat(self, id_prefix: str, chat: ChatRequest, lora: LoRARequest | None = None) -> RequestStream:
         """A chat of any API: max_tokens is an upper bound (clamped)."""
         return await self.admit(id_prefix, chat.prompt, chat.prompt_token_ids, chat.params, clamp=True,
-                                multi_modal_data=chat.multi_modal_data)
+                                multi_modal_data=chat.multi_modal_data, lora=lora)
 
     async def admit(self, id_prefix: str, text: str | None, token_ids: list[int], params: SamplingParams, *,
-                    clamp: bool, multi_modal_data: dict | None = None) -> RequestStream:
-        """A new request in the engine, once the engine loop has taken it."""
+                    clamp: bool, multi_modal_data: dict | None = None,
+                    lora: LoRARequest | None = None) -> RequestStream:
+        """A new request in the engine, once the engine loop has taken it. lora: its adapter (check_model's)."""
         self.fit(token_ids, params, clamp=clamp, param="messages" if clamp else "prompt")
         prompt = {"prompt": text, "prompt_token_ids": token_ids}
         if multi_modal_data:
             prompt["multi_modal_data"] = multi_modal_data
+        if lora is not None:
+            prompt["lora_request"] = lora          # travels with the prompt to the engine (LLMEngine.add_request)
         request_id = new_request_id(id_prefix)
         pd = PD_REQUEST.get()           # a PD router's request (server/pd_serving.py): its id, its prefill source
         try:

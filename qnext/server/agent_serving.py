@@ -10,6 +10,7 @@ import pydantic_core
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from qnext.lora.registry import LoRARequest
 from qnext.sampling_params import SamplingParams
 from qnext.server import anthropic_request, responses_request
 from qnext.server.admission import Admission
@@ -59,20 +60,20 @@ class AgentServing:
         self.admission = admission
         self.store = ResponseStore(store_size)
 
-    def _model(self, body: dict) -> str:
+    def _model(self, body: dict) -> tuple[str, LoRARequest | None]:
+        """The body's model and the LoRA adapter it names (None: the base model)."""
         model = body.get("model")
         if model is None:
             raise bad_request("model is required", "model")
-        self.admission.check_model(model)
-        return model
+        return model, self.admission.check_model(model)
 
     # ---- Anthropic Messages ------------------------------------------------------------------------------------
     async def messages(self, request: Request) -> Response:
         body = await json_body(request)
-        model = self._model(body)
+        model, lora = self._model(body)
         inputs, params = anthropic_request.translate(body)
         chat = await self.admission.chat(inputs, params)
-        stream = await self.admission.admit_chat("msg", chat)
+        stream = await self.admission.admit_chat("msg", chat, lora)
         sink = AnthropicMessageBuilder(model, params.stop)
         return await respond(stream, ChoiceParsers(chat.new_output_parser), sink, request,
                              streaming=bool(body.get("stream")))
@@ -86,7 +87,7 @@ class AgentServing:
     # ---- OpenAI Responses --------------------------------------------------------------------------------------
     async def responses(self, request: Request) -> Response:
         body = await json_body(request)
-        model = self._model(body)
+        model, lora = self._model(body)
         history = None
         previous = body.get("previous_response_id")
         if previous is not None:
@@ -103,7 +104,7 @@ class AgentServing:
                     parallel_tool_calls=body.get("parallel_tool_calls", True), store=body.get("store", True))
         tokenizer = self.admission.tokenizer
         sink = ResponseBuilder(model, echo, freeform, lambda text: len(tokenizer.encode(text, False)))
-        stream = await self.admission.admit_chat("resp", chat)
+        stream = await self.admission.admit_chat("resp", chat, lora)
 
         def on_done():
             if body.get("store", True) is not False:

@@ -15,6 +15,7 @@ from qnext.server.auth import APIKeyMiddleware
 from qnext.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from qnext.server.engine_loop import AsyncEngine
 from qnext.server.errors import install_error_handlers
+from qnext.server.lora_adapters import ServedAdapters, adapter_cards, install_lora_routes
 from qnext.server.metrics import CONTENT_TYPE, ServerMetrics, cache_usage
 from qnext.server.pd_options import PDOptions
 from qnext.server.pd_role_engines import role_engine
@@ -38,21 +39,23 @@ def build_async_engine(engine, *, max_waiting_requests: int, model_name: str,
 def build_app(engine, *, model_name: str, aliases: Sequence[str] = (), max_waiting_requests: int = 256,
               tool_call_parser: str | None = None, reasoning_parser: str | None = None, api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, async_engine=None, metrics=None,
-              media_limits: MediaLimits = MediaLimits(), pd: PDOptions | None = None) -> FastAPI:
+              media_limits: MediaLimits = MediaLimits(), pd: PDOptions | None = None,
+              adapters: ServedAdapters | None = None) -> FastAPI:
     """An app serving `engine` (an LLMEngine, or anything with its methods) as `model_name` (and `aliases`).
     Starting the app starts the engine thread; stopping it aborts what is left and joins the thread.
     tool_call_parser / reasoning_parser: parser names (None: chosen from the chat template; "none": off). With
     `api_key`, /v1 routes want it (auth.py); bodies past `max_request_bytes` get 413 (body_limit.py).
     `async_engine` and `metrics` replace the one engine loop (data parallelism: qnext/server/data_parallel.py).
     media_limits: pictures per request, bytes, pixels, URL fetching (qnext/vision/media.py). pd: one side of
-    prefill/decode disaggregation, its links and limits (server/pd_options.py, pd_serving.py)."""
+    prefill/decode disaggregation, its links and limits (server/pd_options.py, pd_serving.py). adapters: the LoRA
+    adapters served by name, and the load / unload routes (server/lora_adapters.py; None: LoRA is off)."""
     if pd is not None:
         engine = role_engine(engine, pd)
     if async_engine is None:
         async_engine, metrics = build_async_engine(engine, max_waiting_requests=max_waiting_requests,
                                                    model_name=model_name)
     admission = Admission(async_engine, model_name, aliases=aliases, tool_call_parser=tool_call_parser,
-                          reasoning_parser=reasoning_parser, media_limits=media_limits)
+                          reasoning_parser=reasoning_parser, media_limits=media_limits, adapters=adapters)
     serving, agents = OpenAIServing(admission), AgentServing(admission)
     created = int(time.time())
 
@@ -72,6 +75,8 @@ def build_app(engine, *, model_name: str, aliases: Sequence[str] = (), max_waiti
         install_pd_routes(app, engine, pd)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)       # outermost: refused before the body is read
+    if adapters is not None:
+        install_lora_routes(app, adapters, api_key)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -97,6 +102,8 @@ def build_app(engine, *, model_name: str, aliases: Sequence[str] = (), max_waiti
     async def models():
         cards = [{"id": name, "object": "model", "created": created, "owned_by": "qnext",
                   "max_model_len": admission.max_model_len} for name in admission.model_names]
+        if adapters is not None:
+            cards += adapter_cards(adapters, admission.model_name, created, admission.max_model_len)
         return {"object": "list", "data": cards}
 
     @app.get("/health")

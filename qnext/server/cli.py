@@ -83,6 +83,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility; tool_choice 'auto' is always served")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                   help="with --enable-lora: LoRA adapters served by name (a request's `model` picks one), each "
+                        'name=path or JSON {"name": ..., "path": ...} (vLLM\'s); more can be loaded at run time '
+                        "with POST /v1/load_lora_adapter when --api-key is set")
     add_access_arguments(p)
     add_media_arguments(p)
     p.add_argument("--data-parallel-size", type=int, default=1,
@@ -135,6 +139,7 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
     import qnext
     from qnext.engine.llm_engine import freeze_startup_heap
     from qnext.server.app import build_app
+    from qnext.server.lora_adapters import ServedAdapters, parse_lora_modules
     from qnext.engine.compilation_cache import resolve_compilation_cache_dir, warm_up_unless_cached
     from qnext.server.startup import warm_up_with_progress
     from qnext.testing.tiny_checkpoint import demo_checkpoint_dir
@@ -178,6 +183,9 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
 
         pd = pd_options_from_args(args)                                # before the model loads: minutes
         pictures = media_limits(args)                                  # the same: a bad media flag is a ValueError
+        if args.lora_modules and not engine_options.get("enable_lora"):
+            raise ValueError("--lora-modules needs --enable-lora")
+        lora_modules = parse_lora_modules(args.lora_modules or [])       # before the model loads: minutes
         if args.data_parallel_size > 1:
             from qnext.server.data_parallel import build_replicas
 
@@ -187,6 +195,11 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
             if not args.no_warm_up:
                 cache_dir = None if args.no_warm_up_cache_check else engine.compilation_cache_dir
                 warm_up_unless_cached(engine, cache_dir, lambda: warm_up_with_progress(engine))
+        adapters = None
+        if engine_options.get("enable_lora"):
+            adapters = ServedAdapters(engine, tuple(names), engine_options.get("max_lora_rank"))
+            for name, path in lora_modules:
+                adapters.load(name, path)
     except ValueError as e:                     # a bad option or checkpoint: say which, without a traceback
         logger.error("cannot serve %s: %s", model, e)
         return 2
@@ -194,7 +207,7 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
     app = build_app(engine, model_name=names[0], aliases=names[1:], max_waiting_requests=args.max_waiting_requests,
                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                     api_key=args.api_key, max_request_bytes=args.max_request_bytes, async_engine=async_engine,
-                    metrics=metrics, media_limits=pictures, pd=pd)
+                    metrics=metrics, media_limits=pictures, pd=pd, adapters=adapters)
     return run_uvicorn(app, args)
 
 

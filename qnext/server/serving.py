@@ -21,25 +21,25 @@ class OpenAIServing:
 
     async def completions(self, request: Request) -> Response:
         req = await parse(request, CompletionRequest)
-        self.admission.check_model(req.model)
+        lora = self.admission.check_model(req.model)
         params = req.sampling_params()
         prompt = req.prompt_input()
         if isinstance(prompt, str):
             text, token_ids = prompt, await self.admission.encode(prompt)
         else:
             text, token_ids = None, prompt
-        stream = await self.admission.admit("cmpl", text, token_ids, params, clamp=False)
-        sink = CompletionSink(R.Envelope("cmpl", self.admission.model_name), req.stream, params.logprobs,
+        stream = await self.admission.admit("cmpl", text, token_ids, params, clamp=False, lora=lora)
+        sink = CompletionSink(R.Envelope("cmpl", self.admission.response_model(lora)), req.stream, params.logprobs,
                               req.include_usage, req.return_token_ids)
         return await respond(stream, None, sink, request, streaming=req.stream)
 
     async def chat_completions(self, request: Request) -> Response:
         req = await parse(request, ChatCompletionRequest)
-        self.admission.check_model(req.model)
+        lora = self.admission.check_model(req.model)
         chat = await self.admission.chat(req.chat_inputs(), req.sampling_params())
-        stream = await self.admission.admit_chat("chatcmpl", chat)
+        stream = await self.admission.admit_chat("chatcmpl", chat, lora)
         parsers = ChoiceParsers(chat.new_output_parser)
-        sink = ChatSink(R.Envelope("chatcmpl", self.admission.model_name), req.stream, chat.params.logprobs,
+        sink = ChatSink(R.Envelope("chatcmpl", self.admission.response_model(lora)), req.stream, chat.params.logprobs,
                         req.include_usage, req.return_token_ids, parsers, req.n, chat.prompt_token_ids)
         return await respond(stream, parsers, sink, request, streaming=req.stream)
 
