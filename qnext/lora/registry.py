@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
-from pathlib import Path
 
 from qnext.lora.adapter_stacks import AdapterStacks
-from qnext.lora.peft_format import WEIGHTS_FILE, AdapterError, PeftAdapter, read_peft_adapter
+from qnext.lora.identity import hash_root, weights_key
+from qnext.lora.peft_format import PeftAdapter, read_peft_adapter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,11 +37,6 @@ class LoRARequest:
     def __post_init__(self):
         if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
             raise ValueError(f"lora_int_id must be a positive integer, got {self.lora_int_id!r}")
-
-
-def hash_root(digest: str) -> bytes:
-    """The root of the block hash chain of an adapter's sequences (cache/hashing.py), from its weights digest."""
-    return hashlib.sha256(b"lora:" + digest.encode()).digest()[:16]
 
 
 @dataclasses.dataclass
@@ -104,9 +98,7 @@ class AdapterRegistry:
             self._slots[use.slot] = (digest, max(0, users - 1))
 
     def _adapter(self, request: LoRARequest) -> PeftAdapter:
-        weights = Path(request.lora_path) / WEIGHTS_FILE
-        stat = weights.stat() if weights.is_file() else None
-        key = (str(Path(request.lora_path).resolve()), stat and stat.st_mtime_ns, stat and stat.st_size)
+        key = weights_key(request.lora_path)
         if key in self._host:
             self._host.move_to_end(key)
             return self._host[key]

@@ -17,6 +17,7 @@ evicted a block since; it then recomputes it, as a single engine would.
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import itertools
 import threading
@@ -28,6 +29,7 @@ from prometheus_client.core import Metric
 from cache.hashing import block_hashes
 from cache.image_keys import ImageSpan
 from qnext.engine.visual_intake import visual_prompt
+from qnext.lora.identity import adapter_hash_root
 from qnext.server.engine_loop import AsyncEngine, EngineSnapshot, EngineStoppedError, QueueFullError
 from qnext.server.metrics import ServerMetrics, cache_usage
 
@@ -55,23 +57,25 @@ class PrefixRouter:
             n += 1
         return n
 
-    def order(self, token_ids: list[int], images: Sequence[ImageSpan] = ()) -> list[int]:
+    def order(self, token_ids: list[int], images: Sequence[ImageSpan] = (), root: bytes | None = None) -> list[int]:
         """Replicas best first: the longest cached prefix, then the least loaded (round robin: in turn). images: the
-        prompt's pictures, keyed into the block hashes as the engine's cache keys them (cache/image_keys.py)."""
+        prompt's pictures, keyed into the block hashes as the engine's cache keys them (cache/image_keys.py); root:
+        its LoRA adapter's digest root, as the engine's cache keys it (qnext/lora/identity.py)."""
         if self.policy == "round_robin":
             first = next(self._next) % self.num_replicas
             return [(first + i) % self.num_replicas for i in range(self.num_replicas)]
-        hashes = block_hashes(token_ids, self.block_size, images=images)
+        hashes = block_hashes(token_ids, self.block_size, images=images, root=root)
         with self._lock:
             matched = [self.matched_blocks(i, hashes) for i in range(self.num_replicas)]
         loads = [self._load_of(i) for i in range(self.num_replicas)]
         return sorted(range(self.num_replicas), key=lambda i: (-matched[i], loads[i], i))
 
-    def record(self, replica: int, token_ids: list[int], images: Sequence[ImageSpan] = ()) -> None:
+    def record(self, replica: int, token_ids: list[int], images: Sequence[ImageSpan] = (),
+               root: bytes | None = None) -> None:
         """`replica` now holds the full blocks of token_ids (a prompt sent, or prompt + reply finished)."""
         if self.policy == "round_robin":
             return
-        hashes = block_hashes(token_ids, self.block_size, images=images)
+        hashes = block_hashes(token_ids, self.block_size, images=images, root=root)
         with self._lock:
             held = self._held[replica]
             for h in hashes:
@@ -109,7 +113,7 @@ class _ReplicaObserver:
         self.metrics.on_finish(stream, out)
         self.owners.pop(out.request_id, None)
         self.router.record(self.replica, list(out.prompt_token_ids) + list(out.outputs[0].token_ids),
-                           self.images.pop(out.request_id, ()))
+                           *self.images.pop(out.request_id, ((), None)))
 
 
 class DataParallelEngine:
@@ -130,7 +134,8 @@ class DataParallelEngine:
         self.metrics: list[ServerMetrics] = []
         # request id -> (its replica, its stream: None while being admitted), until it finishes, fails or is closed
         self._owner: dict[str, tuple[AsyncEngine, object]] = {}
-        self._images: dict[str, tuple[ImageSpan, ...]] = {}   # request id -> its pictures' spans, until it finishes
+        # request id -> (its pictures' spans, its LoRA adapter's root), until it finishes
+        self._images: dict[str, tuple[tuple[ImageSpan, ...], bytes | None]] = {}
         for i, engine in enumerate(engines):
             holder: list[AsyncEngine] = []
             metrics = ServerMetrics(lambda h=holder: h[0].snapshot(), model_name, labels={"engine": str(i)})
@@ -194,10 +199,12 @@ class DataParallelEngine:
         self._forget_ended()
         token_ids = list(prompt["prompt_token_ids"])
         images = self._picture_spans(prompt)
-        if images:
-            self._images[request_id] = images    # before it is sent: it may finish before add returns
+        lora = prompt.get("lora_request")
+        root = await asyncio.to_thread(adapter_hash_root, lora) if lora is not None else None
+        if images or root:
+            self._images[request_id] = (images, root)    # before it is sent: it may finish before add returns
         error: Exception | None = None
-        for i in self.router.order(token_ids, images):
+        for i in self.router.order(token_ids, images, root):
             if not self.replicas[i].is_running:
                 error = error or EngineStoppedError(getattr(self.replicas[i], "down", None)
                                                     or f"data parallel replica {i} is not running")
@@ -215,7 +222,7 @@ class DataParallelEngine:
             if request_id in self._owner:                  # not finished already (on_finish drops it)
                 self._owner[request_id] = (self.replicas[i], stream)
             self.routed[i] += 1
-            self.router.record(i, token_ids, images)
+            self.router.record(i, token_ids, images, root)
             return stream
         self._images.pop(request_id, None)
         raise error

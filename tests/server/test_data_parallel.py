@@ -46,6 +46,28 @@ def test_router_keys_a_pictures_blocks_on_the_picture():
     assert router.order(ids, [one])[0] == 0 and router.order(ids, [other])[0] == 1
 
 
+def test_router_keys_a_lora_adapters_blocks_on_its_weights(tiny_checkpoint, tmp_path):
+    """Equal prompts of different adapters (or an adapter and the base) share no block, as in the engine's cache;
+    the root is the adapter's weights digest's, so an adapter saved again with new weights starts afresh."""
+    from qnext.lora import LoRARequest, read_peft_adapter
+    from qnext.lora.identity import adapter_hash_root, hash_root
+    from qnext.testing.tiny_adapter import write_tiny_adapter
+
+    ckpt = tiny_checkpoint("qwen3_5")
+    a, b = (LoRARequest(n, i + 1, str(write_tiny_adapter(tmp_path / n, ckpt, seed=i))) for i, n in enumerate("ab"))
+    root_a, root_b = adapter_hash_root(a), adapter_hash_root(b)
+    assert root_a == hash_root(read_peft_adapter(a.lora_path).digest) and root_a != root_b
+    router = PrefixRouter(2, block_size=4, capacity_blocks=100)
+    ids = list(range(10, 30))
+    router.record(1, ids, root=root_a)
+    assert router.order(ids, root=root_a)[0] == 1
+    assert router.order(ids, root=root_b)[0] == 0 and router.order(ids)[0] == 0    # no match: the first
+    import time
+    time.sleep(0.01)
+    write_tiny_adapter(tmp_path / "a", ckpt, seed=5)                    # same name, id and path; new weights
+    assert adapter_hash_root(a) not in (root_a, root_b)
+
+
 def test_round_robin_takes_turns_and_bad_policies_are_refused():
     router = PrefixRouter(3, block_size=4, capacity_blocks=10, policy="round_robin")
     assert [router.order([1, 2, 3, 4])[0] for _ in range(4)] == [0, 1, 2, 0]
