@@ -160,6 +160,9 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
         except ValueError as e:
             logger.error("%s", e)
             return 2
+        if args.lora_modules:
+            logger.error("--lora-modules is not served by a multi-node (--nnodes > 1) server yet")
+            return 2
         if args.data_parallel_size > 1 or args.pd_role:
             logger.error("--nnodes > 1 runs one engine over every rank; --data-parallel-size > 1 or --pd-role with "
                          "it is not supported: start one multi-rank server per replica instead")

@@ -4,6 +4,7 @@ One engine for the module: its LLM.generate answers are taken first (the oracle)
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import types
@@ -42,7 +43,7 @@ def served(tiny_checkpoint, tmp_path_factory):
         adapters.load(name, path)
     app = build_app(llm.engine, model_name=BASE, api_key=KEY, adapters=adapters)
     with serve_in_thread(app) as url:
-        yield types.SimpleNamespace(url=url, paths=paths, expected=expected)
+        yield types.SimpleNamespace(url=url, paths=paths, expected=expected, checkpoint=str(ckpt))
 
 
 @pytest.fixture
@@ -148,11 +149,19 @@ def test_runtime_updates_need_an_api_key():
     assert r.status_code == 403 and "--api-key" in r.json()["error"]["message"]
 
 
-def test_lora_modules_flag_values():
+def test_lora_modules_flag_values(served, tmp_path):
     assert parse_lora_modules(["a=/x/y", '{"name": "b", "path": "/z"}']) == [("a", "/x/y"), ("b", "/z")]
     for bad in (["a"], ["=/x"], ['{"name": "b"}'], ["{nope"]):
         with pytest.raises(ValueError, match="--lora-modules"):
             parse_lora_modules(bad)
-    run = subprocess.run([sys.executable, "-m", "qnext.server", "--lora-modules", "a=/x"], capture_output=True,
-                         text=True, timeout=120, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+
+    def serve(*args):
+        return subprocess.run([sys.executable, "-m", "qnext.server", served.checkpoint, "--no-warm-up", *args],
+                              capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+    run = serve("--lora-modules", "a=/x")
     assert run.returncode == 2 and "--lora-modules needs --enable-lora" in run.stderr
+    run = serve("--enable-lora", "--max-lora-rank", "4", "--lora-modules", f"a0={served.paths['a0']}",
+                f"rank8={served.paths['rank8']}")          # the flags reach the catalog: the second one is refused
+    assert run.returncode == 2 and "cannot load LoRA adapter 'rank8'" in run.stderr
+    assert "above max_lora_rank 4" in run.stderr
