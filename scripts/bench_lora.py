@@ -5,8 +5,9 @@
                delta), no request using an adapter;
 - lora-mix:    the same engine, the batch's rows spread over `--adapters` adapters (row i -> adapter i mod A).
 
-Decode tokens/s at batch B: each pass runs B prompts to max_tokens=N and again to max_tokens=1 (prefill and the
-first token), with fresh random tokens each pass (prefix caching off); decode rate = B (N - 1) / (t_N - t_1). The
+Decode tokens/s at batch B: each pass adds B prompts of fresh random tokens (prefix caching off) to run to
+max_tokens=N, steps the engine until every row has its first token, then times the decode steps alone:
+B (N - 1) / their seconds (the whole batch decodes together until it finishes). The
 set-ups alternate pass by pass (--repeats), after an untimed pass of each that compiles its shapes, and each
 reports its fastest pass, so a slow spell of a shared machine decides no ratio. Adapter load (after the passes, so
 the jitted slot write is compiled): the median of 4 never-seen adapters from disk into a device slot (read + check +
@@ -18,6 +19,7 @@ fuse + the slot write, finished on device), and of 3 whose slots they took, back
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -34,20 +36,29 @@ def prompts(rng, batch: int, length: int, vocab: int) -> list[dict]:
     return [{"prompt_token_ids": [int(t) for t in rng.integers(3, vocab, length)]} for _ in range(batch)]
 
 
-def timed_generate(llm, batch_prompts, params, loras) -> float:
-    t0 = time.perf_counter()
-    llm.generate(batch_prompts, params, lora_request=loras)
-    return time.perf_counter() - t0
-
-
 def decode_rate(llm, rng, args, vocab, loras) -> float:
+    """B prompts added at once; the engine stepped until every row has its first token (prefill), then the decode
+    steps timed alone -> B (N - 1) / their seconds."""
     import qnext
 
-    full = qnext.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    first = qnext.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    t_n = timed_generate(llm, prompts(rng, args.batch, args.prompt_len, vocab), full, loras)
-    t_1 = timed_generate(llm, prompts(rng, args.batch, args.prompt_len, vocab), first, loras)
-    return args.batch * (args.max_tokens - 1) / max(t_n - t_1, 1e-9)
+    engine = llm.engine
+    params = qnext.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [f"bench-{next(_ids)}" for _ in range(args.batch)]
+    for rid, prompt, lora in zip(ids, prompts(rng, args.batch, args.prompt_len, vocab), loras or [None] * args.batch):
+        engine.add_request(rid, prompt, params, lora)
+    started: set[str] = set()
+    while len(started) < len(ids):
+        started |= {out.request_id for out in engine.step() if out.outputs[0].token_ids}
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    seconds = time.perf_counter() - t0
+    for rid in ids:
+        engine.release(rid)
+    return args.batch * (args.max_tokens - 1) / seconds
+
+
+_ids = itertools.count()
 
 
 def load_times(llm, cold: list, evicted: list) -> dict:
