@@ -82,10 +82,10 @@ def window_plan(work: list[Work], cache: CacheManager, config: EngineConfig, eos
             n = max(1, min(n, len(cache.block_table(rid)) * bs - w.start))
         if p.stop or p.structured_outputs is not None:
             # the host may drop the tokens after a stop string or where the grammar completes or rejects a token
-            # (append_window), and with them any state the window
-            # captured past the first: a boundary is captured at the window's first step only (its input token is
-            # always kept), so the window ends before a later one and the next window starts on it. Otherwise the
-            # tracking row would be overwritten by a state the host cannot record.
+            # (append_window), and with them any state the window captured past the first: a boundary is captured
+            # at the window's first step only (its input token is always kept), so the window ends before a later
+            # one and the next window starts on it. Otherwise the tracking row would be overwritten by a state the
+            # host cannot record.
             n = next((e - w.start - 1 for e in range(w.start + 2, w.start + n + 1) if e % bs == 0), n)
         ends = [e for e in range(w.start + 1, w.start + n + 1) if e % bs == 0]   # boundaries computed
         row = cache.decode_tracking_row(rid) if ends and cache.uses_snapshots else None
