@@ -46,6 +46,8 @@ class EngineConfig:
                                               # (~/.cache/qnext/jax), "none": off (engine/compilation_cache.py)
     speculative_config: dict | None = None    # vLLM's: {"method": "mtp", "num_speculative_tokens": k} drafts k
                                               # tokens a step with the checkpoint's MTP head (docs/speculative.md)
+    grammar_fast_forward: bool = True         # tokens a grammar forces are verified as drafts in one window, where
+                                              # windows run: one device, no LoRA, no MTP head (docs/structured.md)
     encoder_cache_bytes: int = 256 << 20      # vision tower outputs kept by image content hash (0: none kept)
     gpu_kernel_backend: str = "auto"          # Pallas GPU kernels: "auto" (Mosaic GPU on Hopper with JAX >= 0.10.2,
                                               # else Triton), "mosaic" or "triton" (pallas_kernels/backend_choice.py)
@@ -92,6 +94,8 @@ class EngineConfig:
             raise ValueError(f"kv_offloading_size must be a number of GiB >= 0, got {self.kv_offloading_size!r}")
         if self.gpu_kernel_backend not in ("auto", "mosaic", "triton"):
             raise ValueError(f"gpu_kernel_backend must be 'auto', 'mosaic' or 'triton', got {self.gpu_kernel_backend!r}")
+        if not isinstance(self.grammar_fast_forward, bool):
+            raise ValueError(f"grammar_fast_forward must be True or False, got {self.grammar_fast_forward!r}")
         self.num_speculative_tokens          # validates speculative_config
         if self.speculative_config is not None:
             if self.tensor_parallel_size > 1:
@@ -185,6 +189,22 @@ class EngineConfig:
         if not self.num_speculative_tokens or self.uses_mtp_head:
             return None
         return host_draft_options(self.speculative_config)
+
+    @property
+    def grammar_fast_forward_active(self) -> bool:
+        """Whether grammar rows verify their forced tokens as drafts (grammar_fast_forward): the host-draft verify
+        window (draft_verify.py) runs where speculative decoding could (one device) and applies no LoRA; with an
+        MTP head a step verifies the head's drafts, whose acceptance applies no grammar mask."""
+        return (self.grammar_fast_forward and self.tensor_parallel_size == 1 and not self.enable_lora
+                and not self.uses_mtp_head)
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """The most drafts a row verifies in one step: num_speculative_tokens with a speculative_config; with
+        grammar fast-forward alone 7, within one KV block; 0: no step verifies drafts."""
+        if self.num_speculative_tokens:
+            return self.num_speculative_tokens
+        return min(MAX_SPECULATIVE_TOKENS, self.block_size - 1) if self.grammar_fast_forward_active else 0
 
     @property
     def num_mtp_kv_layers(self) -> int:

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from qnext.config import ModelConfig
-from qnext.engine.sampler import SamplingTensors, filter_logits, gumbel_max, row_keys, token_logprobs
+from qnext.engine.sampler import SamplingTensors, apply_token_bitmask, filter_logits, gumbel_max, row_keys, \
+    token_logprobs
 from qnext.engine.spec_decode import penalized
 from qnext.engine.window import WindowInputs
 from qnext.model.argmax import first_argmax
@@ -31,14 +32,19 @@ from qnext.model.verify import commit_positions, verify_deltanet
 from qnext.sampling_params import GREEDY_TEMPERATURE
 
 
-def plain_tokens(logits, drafts, tensors: SamplingTensors | None):
-    """logits [N, W, V] raw; drafts [N, W - 1]. The token plain decoding emits at each window position when the
-    drafts before it were kept: greedy rows the argmax of the (penalized) logits, sampled rows `sample`'s draw with
-    the row's key at output position + j. [N, W] int32."""
+def plain_tokens(logits, drafts, tensors: SamplingTensors | None, token_bitmask=None):
+    """logits [N, W, V] raw; drafts [N, W - 1]; token_bitmask [N, W, ceil(V / 32)] or None. The token plain
+    decoding emits at each window position when the drafts before it were kept: greedy rows the argmax of the
+    (penalized, grammar-masked) logits, sampled rows `sample`'s draw with the row's key at output position + j.
+    [N, W] int32. As in `sample`, penalties come before the mask and the mask before the greedy pick and the
+    temperature."""
     n, width, v = logits.shape
     logits = logits.astype(jnp.float32)
     if tensors is not None and tensors.output_counts is not None:
         logits = penalized(logits, drafts, tensors)
+    if token_bitmask is not None:
+        logits = apply_token_bitmask(logits.reshape(n * width, v), token_bitmask.reshape(n * width, -1)
+                                     ).reshape(n, width, v)
     greedy = first_argmax(logits).astype(jnp.int32)
     if tensors is None or tensors.key_data is None:
         return greedy
@@ -55,7 +61,8 @@ def plain_tokens(logits, drafts, tensors: SamplingTensors | None):
 def make_draft_verify_step(cfg: ModelConfig):
     """jit(params, buffers, inputs, window, sampling, num_logprobs=None) -> (tokens [D, W] int32, ran [D] int32,
     buffers, logprobs): inputs the verify layout (spec_step.verify_inputs) of W positions a row, window's drafts
-    [D, W - 1] (a row's drafts past its own count are never kept: window.steps bounds what it keeps), sampling /
+    [D, W - 1] (a row's drafts past its own count are never kept: window.steps bounds what it keeps) and its
+    grammar masks per position (window.token_bitmask, None: no row constrained; a variant of its own), sampling /
     num_logprobs as make_spec_step's. Row i keeps tokens[i, :ran[i]]: its drafts equal to plain decoding's tokens and
     one more, cut at a stop token id and its budget. Cache buffers are donated."""
 
@@ -66,7 +73,7 @@ def make_draft_verify_step(cfg: ModelConfig):
         x, pending = decoder_stack(params, buffers, inputs, cfg, linear_layer=verify_deltanet)
         hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
         logits = lm_logits(params, hidden, cfg).reshape(d, width, -1)
-        tokens = plain_tokens(logits, window.drafts, sampling)                      # [D, W]
+        tokens = plain_tokens(logits, window.drafts, sampling, window.token_bitmask)   # [D, W]
         agree = window.drafts == tokens[:, :-1]
         accepted = jnp.min(jnp.where(agree, width - 1, jnp.arange(width - 1)[None, :]), axis=1)
         stops = jnp.any(tokens[:, :, None] == window.stop_ids[:, None, :], axis=-1)

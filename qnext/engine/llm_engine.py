@@ -29,7 +29,7 @@ from qnext.engine.cache_setup import (cache_sizes, make_cache, model_identity_di
 from qnext.engine.compilation_cache import enable_compilation_cache
 from qnext.engine.config import EngineConfig, resolved_fp8_weights
 from qnext.engine.drafter import Drafter
-from qnext.engine.suffix_drafter import SuffixDrafter
+from qnext.engine.suffix_drafter import host_drafter
 from qnext.engine.engine_cache import EngineCache
 from qnext.engine.intake import Prompt, RequestIntake
 from qnext.engine.pd_engine import PrefillDecodeEnds
@@ -155,8 +155,8 @@ class LLMEngine(PrefillDecodeEnds):
         self.lora = AdapterRegistry(AdapterStacks(cfg, params["embed"].dtype, config.max_loras, config.max_lora_rank),
                                     config.max_cpu_loras) if config.enable_lora else None
         self.runner = ModelRunner(cfg, params, config, buckets, self.stats,
-                                  SuffixDrafter(cfg, config) if config.host_drafting else
-                                  None if mtp is None else drafter(cfg, mtp, config), self.visual_encoder,
+                                  host_drafter(cfg, config) or (None if mtp is None else drafter(cfg, mtp, config)),
+                                  self.visual_encoder,
                                   self.lora.stacks if self.lora is not None else None)
         self._weight_update = WeightUpdate(cfg, config.dtype, config.tensor_parallel_size)
         self.cache_sizes = cache_sizes(cfg, config, self.max_model_len, self.runner.activation_bytes)

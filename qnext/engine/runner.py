@@ -29,7 +29,7 @@ from qnext.lora.adapter_stacks import AdapterStacks
 from qnext.model.step_inputs import Segment, build_step_inputs
 from qnext.model.tensor_parallel import local_config, shard_step, sharded_model_config
 from qnext.sampling_params import SamplingParams
-from qnext.structured.matcher import bitmask_words, fill_bitmask
+from qnext.structured.matcher import bitmask_words, fill_bitmask, fill_window_bitmask
 from qnext.structured.thinking_budget import force_rows
 
 
@@ -109,9 +109,9 @@ class ModelRunner:
         self.visual_encoder = visual_encoder
         self._hidden = drafter is not None and drafter.uses_hidden_states      # MTP: the head reads them
         self._step = make_engine_step(cfg, config.tensor_parallel_size, with_hidden=self._hidden)
-        # several tokens a row in one call: the drafter's speculative step, or num_scheduler_steps decode steps
-        self._window = drafter if drafter is not None else \
-            MultiStep(cfg, config) if config.num_scheduler_steps > 1 else None
+        # several tokens a row in one call: the drafter's speculative step, or num_scheduler_steps decode steps (both
+        # with grammar fast-forward alone, whose drafter verifies only the windows of forced tokens)
+        self._multi = MultiStep(cfg, config) if config.num_scheduler_steps > 1 else None
         self.sampler_inputs = SamplerInputBuilder(cfg.vocab_size, cfg.eos_token_ids, seed=config.seed)
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -149,16 +149,19 @@ class ModelRunner:
         num_scheduler_steps decode steps (plan.multi: budgets, captures, stop ids). Item i keeps tokens[:ran[i], i]."""
         t0 = time.perf_counter()
         d, m = plan.bucket.sizes.num_decode, len(plan.items)
-        window = window_inputs(plan.multi, plan.drafts, d, self._window.width)
-        inputs = self._window.layout(plan.items, plan.bucket, window)
+        runs = self.drafter if plan.speculative else self._multi
+        window = window_inputs(plan.multi, plan.drafts, d, runs.width)
+        inputs = runs.layout(plan.items, plan.bucket, window)
+        if plan.speculative:                     # grammar rows: a mask per window position
+            window = window.replace(token_bitmask=self._window_bitmask(plan, window, inputs))
         if self.visual_encoder is not None and not plan.speculative:
             inputs = self.visual_encoder.attach(plan.items, inputs)     # MRoPE positions of rows with pictures
         rows = _sampling_rows(plan.items)       # greedy rows with penalties need their tensors too
         sampling, num_logprobs = (None, None) if self.sampler_inputs.plain_greedy(rows) else \
             self.sampler_inputs.build(rows, d)
         t1 = time.perf_counter()
-        tokens, ran, buffers, drafts, logprobs = self._window.run(self.params, plan.buffers, inputs, window, sampling,
-                                                                  num_logprobs)
+        tokens, ran, buffers, drafts, logprobs = runs.run(self.params, plan.buffers, inputs, window, sampling,
+                                                          num_logprobs)
         tokens, ran = np.asarray(tokens)[:m].T, np.asarray(ran)[:m]
         if logprobs is not None:                 # [D, W, ...] -> [W, items, ...], as tokens
             logprobs = jax.tree.map(lambda x: np.swapaxes(x[:m], 0, 1), jax.device_get(logprobs))
@@ -188,6 +191,21 @@ class ModelRunner:
         else:
             bitmask = np.full((num_rows, bitmask_words(self.cfg.vocab_size)), -1, np.int32)
         force_rows(bitmask, forced)
+        self.stats.structured_mask_seconds += time.perf_counter() - t0
+        self.stats.num_structured_masks += len(rows)
+        return bitmask
+
+    def _window_bitmask(self, plan: StepPlan, window: WindowInputs, inputs) -> np.ndarray | None:
+        """[D, W, ceil(V / 32)] grammar masks of a verify window (W: the layout's), each structured row's position j
+        masked by its grammar after its drafts before j (matcher.fill_window_bitmask); None when no row is
+        constrained."""
+        rows = [(i, it.seq.structured, window.drafts[i, :window.steps[i] - 1].tolist())
+                for i, it in enumerate(plan.items) if it.seq.structured is not None and it.seq.structured.needs_mask]
+        if not rows:
+            return None
+        t0 = time.perf_counter()
+        d, width = inputs.prefill.token_index.shape
+        bitmask = fill_window_bitmask(rows, d, width, self.cfg.vocab_size, self.cfg.eos_token_ids)
         self.stats.structured_mask_seconds += time.perf_counter() - t0
         self.stats.num_structured_masks += len(rows)
         return bitmask
@@ -263,16 +281,16 @@ class ModelRunner:
                      big_cache - cache, extra, 100 / (1 + growth))
         return temp + extra
 
-    def _warm_up_window(self, bucket, buffers: CacheBuffers) -> CacheBuffers:
-        """Compiles the window step over a decode bucket's rows, greedy and sampled, on padding rows that run
-        nothing and write nothing but the dummy block."""
+    def _warm_up_window(self, runs, bucket, buffers: CacheBuffers) -> CacheBuffers:
+        """Compiles a window step (`runs`: the drafter's or multi-step's) over a decode bucket's rows, greedy and
+        sampled, on padding rows that run nothing and write nothing but the dummy block."""
         d = bucket.sizes.num_decode
-        window = WindowInputs.padding(d, self._window.width)
-        inputs = self._window.layout([], bucket, window)
+        window = WindowInputs.padding(d, runs.width)
+        inputs = runs.layout([], bucket, window)
         sampled, _ = self.sampler_inputs.build([SamplingRow("warm-up", _WARM_UP_SAMPLING[1], [0], [], 0)], d)
         self.sampler_inputs.free("warm-up")
         for sampling in (None, sampled):
-            buffers = self._window.run(self.params, buffers, inputs, window, sampling, None)[2]
+            buffers = runs.run(self.params, buffers, inputs, window, sampling, None)[2]
         return buffers
 
     def warm_up(self, buffers: CacheBuffers, on_bucket=None) -> CacheBuffers:
@@ -294,8 +312,12 @@ class ModelRunner:
                 buffers = self.drafter.warm_up(self.params, bucket, inputs, hidden, buffers)
             else:
                 logits, _, buffers = self._step(self._step_params(), buffers, inputs)
-            if self._window is not None and bucket.is_decode:     # decode buckets also run windows
-                buffers = self._warm_up_window(bucket, buffers)
+            # decode buckets also run windows; grammar fast-forward's alone compile on first use, as the grammar's
+            # sampler variants do (most engines never verify a forced token)
+            windows = [self.drafter] if self.drafter is not None and self.config.num_speculative_tokens else []
+            for runs in windows + ([self._multi] if self._multi is not None else []):
+                if bucket.is_decode:
+                    buffers = self._warm_up_window(runs, bucket, buffers)
             for params in _WARM_UP_SAMPLING if s.num_logits not in sampler_rows else ():   # most requests' variants
                 tensors, k = self.sampler_inputs.build([SamplingRow("warm-up", params, [0], [], 0)], s.num_logits)
                 jax.block_until_ready(_sample_rows(logits, np.zeros(s.num_logits, np.int32), tensors, num_logprobs=k))

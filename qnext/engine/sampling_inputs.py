@@ -159,7 +159,7 @@ def suppressed_ids(params: SamplingParams, num_output: int, eos_token_ids: Seque
 
 
 def stateless(params: SamplingParams, num_output: int, eos_token_ids: Sequence[int], vocab_size: int, *,
-              penalties_ok: bool = False, logprobs_ok: bool = False) -> bool:
+              penalties_ok: bool = False, logprobs_ok: bool = False, grammar_ok: bool = False) -> bool:
     """True when a request's next tokens depend only on its logits and output position: no logprobs, no
     penalties (output counts), no ids suppressed now (min_tokens, which is never active again once it is not) and
     no structured output (a grammar masks each token by the ones before it, on the host) and no thinking budget
@@ -167,8 +167,9 @@ def stateless(params: SamplingParams, num_output: int, eos_token_ids: Sequence[i
     Such rows can draw several tokens in a row on device, each from the same tensors at position + k.
     penalties_ok: penalties allowed (a speculative step applies them per window position, from the output counts
     and the drafts before each position: spec_decode.penalized); logprobs_ok: logprobs allowed (a speculative step
-    reports them for every window position)."""
+    reports them for every window position); grammar_ok: structured outputs allowed (a host-draft verify window
+    masks each position by the grammar's state after the drafts before it: matcher.fill_window_bitmask)."""
     return ((logprobs_ok or params.logprobs is None) and (penalties_ok or not params.uses_penalties)
-            and params.structured_outputs is None
+            and (grammar_ok or params.structured_outputs is None)
             and params.thinking_token_budget is None
             and not suppressed_ids(params, num_output, eos_token_ids, vocab_size))

@@ -87,7 +87,7 @@ class Scheduler:
             samples = w.end == w.seq.num_tokens
             items.append(ScheduledSequence(w.seq, segment, samples, list(w.seq.pending_forks) if samples else []))
         bucket = self.buckets.bucket_for([it.segment for it in items])
-        k = c.num_speculative_tokens            # rows drafting fewer (suffix, ngram) pad; window.steps bounds them
+        k = c.max_draft_tokens                  # rows drafting fewer (suffix, ngram, grammar) pad; window.steps bounds
         drafts = [list(w.seq.draft_token_ids) + [0] * (k - len(w.seq.draft_token_ids)) for w in work] \
             if speculative else None
         return StepPlan(items, bucket, self.engine_cache.lend_buffers(), multi, speculative, drafts)

@@ -20,6 +20,9 @@ class WindowInputs:
     capture_row: jnp.ndarray  # [D, W] int32 snapshot row for the state after window position j (0: none)
     stop_ids: jnp.ndarray     # [D, S] int32 token ids that end the row (-1: unused)
     drafts: jnp.ndarray       # [D, W - 1] int32 a speculative step's drafts (window positions 1..); else zeros
+    # [D, W, ceil(V / 32)] int32 a verify window's grammar masks: bit t of row i, position j set = token t allowed
+    # there (structured/matcher.fill_window_bitmask); None: no row is constrained
+    token_bitmask: jnp.ndarray | None = None
 
     @classmethod
     def padding(cls, rows: int, width: int, stop_width: int = 4) -> "WindowInputs":

@@ -44,12 +44,13 @@ def multi_step_ok(work: list[Work], config: EngineConfig, eos_token_ids: Seq[int
 
 
 def speculative_ok(work: list[Work], config: EngineConfig, eos_token_ids: Seq[int], vocab_size: int) -> bool:
-    """A speculative step runs when every item decodes, holds its drafts (MTP: k of them; suffix / ngram: 0 to k, and
-    the step at least as many drafts as rows, so that a window over rows with few drafts pays for itself), and could
-    run multi-step (its next tokens depend only on its logits and position) or differs only by penalties (applied
-    per window position) or logprobs (the verify pass reports them per window position), and the step has no more
-    rows than speculative_config's disable_by_batch_size."""
-    k = config.num_speculative_tokens
+    """A speculative step runs when every item decodes, holds its drafts (MTP: k of them; suffix / ngram / grammar
+    fast-forward: 0 to k, and the step at least as many drafts as rows, so that a window over rows with few drafts
+    pays for itself), and could run multi-step (its next tokens depend only on its logits and position) or differs
+    only by penalties (applied per window position), logprobs (the verify pass reports them per window position) or,
+    with grammar fast-forward, a grammar (masked per window position), and the step has no more rows than
+    speculative_config's disable_by_batch_size."""
+    k = config.max_draft_tokens
     if not k or config.speculation_disabled_at(len(work)):
         return False
     counts = [len(w.seq.draft_token_ids) for w in work]
@@ -60,7 +61,7 @@ def speculative_ok(work: list[Work], config: EngineConfig, eos_token_ids: Seq[in
         return False
     return all(not w.seq.pending_forks and w.decodes
                and stateless(w.seq.params, len(w.seq.output_token_ids), eos_token_ids, vocab_size,
-                             penalties_ok=True, logprobs_ok=True)
+                             penalties_ok=True, logprobs_ok=True, grammar_ok=config.grammar_fast_forward_active)
                for w in work)
 
 
@@ -79,11 +80,12 @@ def window_plan(work: list[Work], cache: CacheManager, config: EngineConfig, eos
             n = min(n, p.max_tokens - len(seq.output_token_ids))
         if not cache.append_slots(rid, w.start + n):           # blocks for the extra tokens, if free
             n = max(1, min(n, len(cache.block_table(rid)) * bs - w.start))
-        if p.stop:
-            # the host may drop the tokens after a stop string (append_window), and with them any state the window
-            # captured past the first: a boundary is captured at the window's first step only (its input token is
-            # always kept), so the window ends before a later one and the next window starts on it. Otherwise the
-            # tracking row would be overwritten by a state the host cannot record.
+        if p.stop or p.structured_outputs is not None:
+            # the host may drop the tokens after a stop string or where the grammar completes or rejects a token
+            # (append_window), and with them any state the window captured past the first: a boundary is captured
+            # at the window's first step only (its input token is always kept), so the window ends before a later
+            # one and the next window starts on it. Otherwise the tracking row would be overwritten by a state the
+            # host cannot record.
             n = next((e - w.start - 1 for e in range(w.start + 2, w.start + n + 1) if e % bs == 0), n)
         ends = [e for e in range(w.start + 1, w.start + n + 1) if e % bs == 0]   # boundaries computed
         row = cache.decode_tracking_row(rid) if ends and cache.uses_snapshots else None

@@ -44,6 +44,24 @@ class StructuredState:
         self.error = f"structured output dead end: token {token_id} is not allowed by the grammar"
         return False
 
+    def forced_after(self, tokens: Sequence[int]) -> list[int]:
+        """The tokens the grammar forces once `tokens` are appended (llguidance's fast-forward tokens: the forced
+        bytes in the tokenization the grammar's mask then allows, one token at each step), without changing the
+        state. [] when it forces none, is not active by then, or rejects one of `tokens`."""
+        if not self.active:                      # waiting for start_after: on a copy, which follows the trigger
+            state = self.copy()
+            if not all(state.advance(t) for t in tokens) or not state.active:
+                return []
+            return state.forced_after(())
+        matcher, tokens = self.matcher, list(tokens)
+        if matcher.is_error():
+            return []
+        consumed = matcher.try_consume_tokens(tokens) if tokens else 0
+        try:
+            return [] if consumed < len(tokens) or matcher.is_stopped() else list(matcher.compute_ff_tokens())
+        finally:
+            matcher.rollback(consumed)
+
     def copy(self) -> "StructuredState":
         """An independent state at the same point (a parallel sample's own matcher, n > 1)."""
         other = StructuredState(self.matcher.deep_copy(), self.start_after, self.grammar_eos_ids)
@@ -95,11 +113,56 @@ def fill_bitmask(rows: Sequence[tuple[int, StructuredState]], num_rows: int, voc
         for i, state in rows:
             llguidance.numpy.fill_next_token_bitmask(state.matcher, bitmask, i)
     for i, state in rows + waiting:
-        if state.active and state.matcher.is_accepting():
-            continue
-        eos = np.asarray([t for t in eos_token_ids if 0 <= t < vocab_size
-                          and not (state.active and t in state.grammar_eos_ids)], np.int64)
-        if eos.size:
-            clear = ~(np.int64(1) << (eos & 31)).astype(np.uint32).view(np.int32)
-            np.bitwise_and.at(bitmask[i], eos >> 5, clear)
+        _clear_eos(bitmask[i], state, eos_token_ids, vocab_size)
     return bitmask
+
+
+def _clear_eos(words: np.ndarray, state: StructuredState, eos_token_ids: Sequence[int], vocab_size: int) -> None:
+    """Clears the engine's eos ids in one row's mask [ceil(V / 32)] unless the state accepts the output so far
+    (fill_bitmask's rule)."""
+    if state.active and state.matcher.is_accepting():
+        return
+    eos = np.asarray([t for t in eos_token_ids if 0 <= t < vocab_size
+                      and not (state.active and t in state.grammar_eos_ids)], np.int64)
+    if eos.size:
+        clear = ~(np.int64(1) << (eos & 31)).astype(np.uint32).view(np.int32)
+        np.bitwise_and.at(words, eos >> 5, clear)
+
+
+def fill_window_bitmask(rows: Sequence[tuple[int, StructuredState, Sequence[int]]], num_rows: int, width: int,
+                        vocab_size: int, eos_token_ids: Sequence[int] = ()) -> np.ndarray:
+    """[num_rows, width, ceil(V / 32)] int32: the mask of every position of a verify window. Row i's position j is
+    masked by its grammar's state after its drafts d_1..d_j (fill_bitmask's rules, eos included), which is what
+    plain decoding would mask the token there with if those drafts are kept, the only case in which it is used.
+    rows: (row, state, drafts); a row's positions past its drafts, past a draft its grammar rejects, and rows not
+    listed allow everything. The states are left as they were (advanced and rolled back, or copied)."""
+    bitmask = np.full((num_rows, width, bitmask_words(vocab_size)), -1, np.int32)
+    flat = bitmask.reshape(num_rows * width, -1)
+    for i, state, drafts in rows:
+        drafts = list(drafts)[:width - 1]
+        if not state.active:                     # waiting for start_after: a copy follows the trigger
+            state = state.copy()
+            for j in range(len(drafts) + 1):
+                _fill_position(flat, i * width + j, state, eos_token_ids, vocab_size)
+                if j == len(drafts) or not state.advance(drafts[j]) or not state.needs_mask:
+                    break
+            continue
+        matcher, consumed = state.matcher, 0
+        try:
+            for j in range(len(drafts) + 1):
+                _fill_position(flat, i * width + j, state, eos_token_ids, vocab_size)
+                if j == len(drafts) or matcher.try_consume_tokens([drafts[j]]) != 1:
+                    break
+                consumed += 1
+                if matcher.is_stopped():         # complete: the request ends at that draft
+                    break
+        finally:
+            matcher.rollback(consumed)
+    return bitmask
+
+
+def _fill_position(flat: np.ndarray, index: int, state: StructuredState, eos_token_ids: Sequence[int],
+                   vocab_size: int) -> None:
+    if state.active:
+        llguidance.numpy.fill_next_token_bitmask(state.matcher, flat, index)
+    _clear_eos(flat[index], state, eos_token_ids, vocab_size)
