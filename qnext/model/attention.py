@@ -14,7 +14,7 @@ from qnext.model.fp8_blocks import E4M3_MAX
 from qnext.model.groups import from_groups, query_positions, to_decode, to_prefill
 from qnext.ops.linear import linear
 from qnext.model.norms import rms_norm
-from qnext.model.prefill_attention import prefill_attention_by_sequence
+from qnext.model.prefill_attention import MIN_GROUPS, prefill_attention_by_sequence
 from qnext.model.rotary import apply_rotary
 from qnext.model.step_inputs import StepInputs
 
@@ -66,9 +66,9 @@ def full_attention(p, x, kv, inputs: StepInputs, cfg: ModelConfig):
                                    implementation=cfg.kernels) * scale
 
     def attend_prefill(q_groups, groups):
-        if cfg.kernels != "reference" or groups.length.shape[0] <= 1:
+        if cfg.kernels != "reference" or groups.length.shape[0] < MIN_GROUPS:
             return attend(q_groups, groups)
-        # the jnp path: each sequence's context read once a step, not once per group (prefill_attention.py)
+        # the jnp path: a long prefill's context read once a step, not once per group (prefill_attention.py)
         return prefill_attention_by_sequence(
             q_groups, k_pages, v_pages, groups.block_table, groups.kv_len, query_positions(groups, inputs.positions),
             groups.is_first, groups.length, sm_scale=cfg.head_dim ** -0.5 * scale) * scale

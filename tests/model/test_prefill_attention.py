@@ -1,10 +1,11 @@
 """The jnp prefill attention by sequence (qnext/model/prefill_attention.py) equals the group-wise reference, and the
-engine's step on CPU uses it: one attention call per sequence holding all its rows, not one per group."""
+engine's step on CPU uses it: a sequence holding half the view's groups is one group of all the view's rows."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from pallas_kernels.paged_attention import paged_attention_reference
 from qnext.model import prefill_attention
@@ -28,8 +29,8 @@ def _layout(extra_groups=2):
     return build_step_inputs(segments, sizes, block_size=BS, chunk=CHUNK)
 
 
-def _case(seed=0):
-    inputs = _layout()
+def _case(seed=0, extra_groups=2):
+    inputs = _layout(extra_groups)
     rng = np.random.default_rng(seed)
     groups = inputs.prefill
     n = groups.length.shape[0]
@@ -40,15 +41,14 @@ def _case(seed=0):
     return inputs, groups, q, k_pages, v_pages, q_pos
 
 
-def test_window_classes():
-    assert prefill_attention.window_classes(1) == (1,)
-    assert prefill_attention.window_classes(8) == (1, 2, 4, 8)
-    assert prefill_attention.window_classes(9) == (1, 2, 4, 8, 9)
-
-
-def test_by_sequence_equals_group_wise_reference():
-    inputs, groups, q, k_pages, v_pages, q_pos = _case()
-    assert list(groups.length) == [2, 4, 4, 3, 4, 4, 4, 4, 1, 0, 0]      # the layout the test means to cover
+@pytest.mark.parametrize("extra_groups,big", [(2, False), (0, True)])
+def test_by_sequence_equals_group_wise_reference(extra_groups, big):
+    """Runs of 3, 1 and 5 groups (the first cut at a capture) in 9 or 11 groups: the 5-group run takes the
+    whole-view window in 9 groups, not in 11."""
+    inputs, groups, q, k_pages, v_pages, q_pos = _case(extra_groups=extra_groups)
+    assert list(groups.length) == [2, 4, 4, 3, 4, 4, 4, 4, 1] + [0] * extra_groups   # the layout meant
+    start, end, size = prefill_attention.largest_run(jnp.asarray(groups.is_first), jnp.asarray(groups.length))
+    assert (int(start), int(end), int(size)) == (4, 9, 5) and (2 * int(size) >= len(groups.length)) == big
     want = paged_attention_reference(q, k_pages, v_pages, jnp.asarray(groups.block_table), jnp.asarray(groups.kv_len),
                                      q_pos, sm_scale=0.3)
     got = jax.jit(lambda *a: prefill_attention.prefill_attention_by_sequence(*a, sm_scale=0.3))(
@@ -58,9 +58,9 @@ def test_by_sequence_equals_group_wise_reference():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
-def test_cpu_step_reads_each_sequence_once(monkeypatch):
-    """Traced through the engine's attention layer, the reference sees one group per prefilling sequence, each
-    with a window of whole groups (the old path: one call over all 11 groups of 4 rows)."""
+def test_cpu_step_reads_a_long_prefill_once(monkeypatch):
+    """Traced through the engine's attention layer, the reference sees the whole-view window (one group of all the
+    view's rows) and the group-wise rest (the old path: only the call over all groups of 4 rows)."""
     from qnext.config import ModelConfig
     from qnext.model import attention
 
@@ -76,7 +76,7 @@ def test_cpu_step_reads_each_sequence_once(monkeypatch):
     cfg = ModelConfig.from_hf_config(tiny_hf_config("qwen3_5", hidden_size=16, num_attention_heads=HQ,
                                                     num_key_value_heads=HKV, head_dim=D)).with_backend("cpu")
     assert cfg.kernels == "reference"
-    inputs, groups, *_ = _case()
+    inputs, groups, *_ = _case(extra_groups=prefill_attention.MIN_GROUPS - 9)
     rng = np.random.default_rng(1)
     p = {"qkv_proj": jnp.asarray(rng.standard_normal((2 * HQ * D + 2 * HKV * D, 16)) * 0.1, jnp.float32),
          "q_norm": jnp.ones(D), "k_norm": jnp.ones(D),
@@ -84,5 +84,5 @@ def test_cpu_step_reads_each_sequence_once(monkeypatch):
     kv = (jnp.zeros((HKV, 17, BS, D)), jnp.zeros((HKV, 17, BS, D)))
     x = jnp.asarray(rng.standard_normal((inputs.token_ids.shape[0], 16)), jnp.float32)
     jax.eval_shape(lambda x, kv, inputs: attention.full_attention(p, x, kv, inputs, cfg), x, kv, inputs)
-    # branches of the window switch: windows of 1, 2, 4, 8 and 11 groups, each a single group of 4 rows a group
-    assert sorted(calls) == sorted((1, w * CHUNK, HQ, D) for w in (1, 2, 4, 8, 11))
+    n = groups.length.shape[0]
+    assert sorted(calls) == [(1, n * CHUNK, HQ, D), (n, CHUNK, HQ, D)]
