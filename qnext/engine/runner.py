@@ -14,6 +14,7 @@ import numpy as np
 from cache.device_buffers import CacheBuffers
 from qnext.config import ModelConfig
 from qnext.engine.config import EngineConfig
+from qnext.engine.context_parallel_prefill import ContextParallelPrefill
 from qnext.engine.drafter import Drafter
 from qnext.engine.multi_step import MultiStep
 from qnext.engine.plan import ScheduledSequence, StepPlan, StepResult
@@ -108,6 +109,8 @@ class ModelRunner:
         self._window = drafter if drafter is not None else \
             MultiStep(cfg, config) if config.num_scheduler_steps > 1 else None
         self.sampler_inputs = SamplerInputBuilder(cfg.vocab_size, cfg.eos_token_ids, seed=config.seed)
+        self.context_parallel = ContextParallelPrefill(cfg, config) if config.context_parallel_size > 1 else None
+        self.params = params if self.context_parallel is None else self.context_parallel.place(params)   # replicated
 
     def execute(self, plan: StepPlan) -> StepResult:
         result = self._execute_single(plan) if plan.multi is None else self._execute_window(plan)
@@ -123,7 +126,10 @@ class ModelRunner:
             inputs = self.visual_encoder.attach(plan.items, inputs)
         t1 = time.perf_counter()
         hidden = None
-        if self.drafter is not None:
+        split = self.context_parallel.run(self.params, plan) if self.context_parallel is not None else None
+        if split is not None:
+            logits, greedy, buffers = split
+        elif self.drafter is not None:
             logits, greedy, hidden, buffers = self._step(self.params, plan.buffers, inputs)
         else:
             logits, greedy, buffers = self._step(self.params, plan.buffers, inputs)
@@ -280,6 +286,8 @@ class ModelRunner:
                 buffers = self.drafter.warm_up(self.params, bucket, inputs, hidden, buffers)
             else:
                 logits, _, buffers = self._step(self.params, buffers, inputs)
+            if self.context_parallel is not None:                 # and the split prefill step
+                buffers = self.context_parallel.warm_up(self.params, buffers, bucket)
             if self._window is not None and bucket.is_decode:     # decode buckets also run windows
                 buffers = self._warm_up_window(bucket, buffers)
             for params in _WARM_UP_SAMPLING if s.num_logits not in sampler_rows else ():   # most requests' variants

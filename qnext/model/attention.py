@@ -45,8 +45,9 @@ def attention_output(p, attended, gate, dtype):
     return out
 
 
-def full_attention(p, x, kv, inputs: StepInputs, cfg: ModelConfig):
-    """x: [T, H]; kv: (k_pages, v_pages). Returns (out [T, H], kv).
+def full_attention(p, x, kv, inputs: StepInputs, cfg: ModelConfig, new_kv=None):
+    """x: [T, H]; kv: (k_pages, v_pages). Returns (out [T, H], kv). new_kv(k, v, slot_mapping) -> the same three:
+    the keys, values and slots written into the pages (context parallel: every shard's, context_parallel_step.py).
 
     fp8 pages (kv_cache_dtype fp8) hold k / s and v / s (s = cfg.kv_cache_scale), clipped to e4m3's range; the
     scale comes back as a factor of the softmax scale (scores q.k) and of the output (p.v), both in float32."""
@@ -56,7 +57,10 @@ def full_attention(p, x, kv, inputs: StepInputs, cfg: ModelConfig):
     scale = cfg.kv_cache_scale if fp8 else 1.0
     if fp8:
         k, v = (jnp.clip(t.astype(jnp.float32) / scale, -E4M3_MAX, E4M3_MAX) for t in (k, v))
-    k_pages, v_pages = ops.write_kv(*kv, k, v, inputs.slot_mapping, implementation=cfg.kernels)
+    slots = inputs.slot_mapping
+    if new_kv is not None:
+        k, v, slots = new_kv(k, v, slots)
+    k_pages, v_pages = ops.write_kv(*kv, k, v, slots, implementation=cfg.kernels)
 
     def attend(q_groups, groups):
         if groups.length.shape[0] == 0:            # static: the bucket has no groups of this kind
