@@ -34,6 +34,7 @@ from cache.sizing import GIB, CacheSizes, plan_cache
 from qnext.config import ModelConfig
 from qnext.engine.config import EngineConfig
 from qnext.model.cache_buffers import cache_layout
+from qnext.model.context_parallel_step import replicated
 from qnext.model.tensor_parallel import sharded_buffers, sharded_model_config
 from qnext.model.weights import as_dtype
 from qnext.model.host_devices import engine_devices
@@ -163,8 +164,11 @@ def make_cache(cfg: ModelConfig, c: EngineConfig, sizes: CacheSizes, mesh=None,
                                  block_size=c.block_size, **rows)
     # committed to the device, as the params and every step's outputs are (uncommitted, the first shape that runs
     # compiles again on its second call)
-    buffers = (sharded_buffers(allocate, mesh, cfg) if mesh is not None
-               else jax.device_put(allocate(), engine_devices()[0]))
+    if c.context_parallel_size > 1:          # whole on each device (qnext/model/context_parallel_step.py)
+        buffers = replicated(allocate(), c.context_parallel_size)
+    else:
+        buffers = (sharded_buffers(allocate, mesh, cfg) if mesh is not None
+                   else jax.device_put(allocate(), engine_devices()[0]))
     capped = sizes.max_num_snapshots is not None and sizes.num_snapshot_rows < sizes.max_num_snapshots
     (logger.warning if capped else logger.info)(sizes.describe())
     host = None

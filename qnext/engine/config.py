@@ -39,6 +39,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1             # devices the model's heads are split over (tensor_parallel.py)
     enable_expert_parallel: bool = False      # the same devices split the MoE experts, not their units
     attention_tensor_parallel: bool = True    # False: attention / DeltaNet and their cache whole on every device
+    context_parallel_size: int = 1            # devices a long prompt chunk is prefilled over (split by position;
+                                              # qnext/model/context_parallel_step.py, docs/long-context.md)
     kv_offloading_size: float = 0.0           # GiB of host RAM for the cache's host tier (evicted KV blocks and
                                               # snapshots); 0: evictions are dropped (docs/cache.md)
     prefix_cache_dir: str | os.PathLike | None = None   # the prefix cache is written here at close(), read at start
@@ -63,7 +65,7 @@ class EngineConfig:
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_chunk", "num_scheduler_steps",
-                     "tensor_parallel_size"):
+                     "tensor_parallel_size", "context_parallel_size"):
             value = getattr(self, name)
             if name == "prefill_chunk" and value is None:
                 continue
@@ -115,14 +117,31 @@ class EngineConfig:
                                                    or self.max_cpu_loras < self.max_loras):
                 raise ValueError(f"max_cpu_loras must be an integer of at least max_loras ({self.max_loras}), got "
                                  f"{self.max_cpu_loras!r}")
-            for name, plain in (("tensor_parallel_size", 1), ("num_scheduler_steps", 1), ("speculative_config", None)):
+            for name, plain in (("tensor_parallel_size", 1), ("num_scheduler_steps", 1), ("speculative_config", None),
+                                ("context_parallel_size", 1)):
                 if getattr(self, name) != plain:
                     raise ValueError(f"enable_lora does not yet combine with {name}={getattr(self, name)!r}; "
                                      f"use {name}={plain!r} with LoRA")
+        if self.context_parallel_size > 1:
+            self._check_context_parallel()
         for name in ("prefix_cache_dir", "compilation_cache_dir"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):
                 raise ValueError(f"{name} must be a path, got {value!r}")
+
+    def _check_context_parallel(self) -> None:
+        """What context-parallel prefill does not combine with, named."""
+        n = self.context_parallel_size
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"context_parallel_size={n} with tensor_parallel_size={self.tensor_parallel_size}: "
+                             "context-parallel prefill runs the whole model on each device; use one of the two")
+        if self.speculative_config is not None:
+            raise ValueError(f"context_parallel_size={n} with speculative_config: the MTP drafter runs on one "
+                             "device; drop one of the two")
+        if snapshot_storage_dtype(self.mamba_ssm_cache_dtype) != "float32":
+            raise ValueError(f"context_parallel_size={n} needs float32 snapshots (mamba_ssm_cache_dtype 'auto' or "
+                             f"'float32'), got {self.mamba_ssm_cache_dtype!r}: the split step does not stage "
+                             "snapshot rows through a narrow pool")
 
     @property
     def num_speculative_tokens(self) -> int:

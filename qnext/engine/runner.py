@@ -14,6 +14,7 @@ import numpy as np
 from cache.device_buffers import CacheBuffers
 from qnext.config import ModelConfig
 from qnext.engine.config import EngineConfig
+from qnext.engine.context_parallel_prefill import ContextParallelPrefill
 from qnext.engine.drafter import Drafter
 from qnext.engine.multi_step import MultiStep
 from qnext.engine.plan import ScheduledSequence, StepPlan, StepResult
@@ -113,6 +114,8 @@ class ModelRunner:
         # with grammar fast-forward alone, whose drafter verifies only the windows of forced tokens)
         self._multi = MultiStep(cfg, config) if config.num_scheduler_steps > 1 else None
         self.sampler_inputs = SamplerInputBuilder(cfg.vocab_size, cfg.eos_token_ids, seed=config.seed)
+        self.context_parallel = ContextParallelPrefill(cfg, config) if config.context_parallel_size > 1 else None
+        self.params = params if self.context_parallel is None else self.context_parallel.place(params)   # replicated
 
     def execute(self, plan: StepPlan) -> StepResult:
         result = self._execute_single(plan) if plan.multi is None else self._execute_window(plan)
@@ -129,7 +132,10 @@ class ModelRunner:
             inputs = self.visual_encoder.attach(plan.items, inputs)
         t1 = time.perf_counter()
         hidden = None
-        if self._hidden:
+        split = self.context_parallel.run(self.params, plan) if self.context_parallel is not None else None
+        if split is not None:
+            logits, greedy, buffers = split
+        elif self._hidden:
             logits, greedy, hidden, buffers = self._step(self._step_params(), plan.buffers, inputs)
         else:
             logits, greedy, buffers = self._step(self._step_params(), plan.buffers, inputs)
@@ -312,6 +318,8 @@ class ModelRunner:
                 buffers = self.drafter.warm_up(self.params, bucket, inputs, hidden, buffers)
             else:
                 logits, _, buffers = self._step(self._step_params(), buffers, inputs)
+            if self.context_parallel is not None:                 # and the split prefill step
+                buffers = self.context_parallel.warm_up(self.params, buffers, bucket)
             # decode buckets also run windows; grammar fast-forward's alone compile on first use, as the grammar's
             # sampler variants do (most engines never verify a forced token)
             windows = [self.drafter] if self.drafter is not None and self.config.num_speculative_tokens else []

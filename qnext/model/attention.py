@@ -14,6 +14,7 @@ from qnext.model.fp8_blocks import E4M3_MAX
 from qnext.model.groups import from_groups, query_positions, to_decode, to_prefill
 from qnext.ops.linear import linear
 from qnext.model.norms import rms_norm
+from qnext.model.prefill_attention import MIN_GROUPS, prefill_attention_by_sequence
 from qnext.model.rotary import apply_rotary
 from qnext.model.step_inputs import StepInputs
 
@@ -44,8 +45,9 @@ def attention_output(p, attended, gate, dtype):
     return out
 
 
-def full_attention(p, x, kv, inputs: StepInputs, cfg: ModelConfig):
-    """x: [T, H]; kv: (k_pages, v_pages). Returns (out [T, H], kv).
+def full_attention(p, x, kv, inputs: StepInputs, cfg: ModelConfig, new_kv=None):
+    """x: [T, H]; kv: (k_pages, v_pages). Returns (out [T, H], kv). new_kv(k, v, slot_mapping) -> the same three:
+    the keys, values and slots written into the pages (context parallel: every shard's, context_parallel_step.py).
 
     fp8 pages (kv_cache_dtype fp8) hold k / s and v / s (s = cfg.kv_cache_scale), clipped to e4m3's range; the
     scale comes back as a factor of the softmax scale (scores q.k) and of the output (p.v), both in float32."""
@@ -55,7 +57,10 @@ def full_attention(p, x, kv, inputs: StepInputs, cfg: ModelConfig):
     scale = cfg.kv_cache_scale if fp8 else 1.0
     if fp8:
         k, v = (jnp.clip(t.astype(jnp.float32) / scale, -E4M3_MAX, E4M3_MAX) for t in (k, v))
-    k_pages, v_pages = ops.write_kv(*kv, k, v, inputs.slot_mapping, implementation=cfg.kernels)
+    slots = inputs.slot_mapping
+    if new_kv is not None:
+        k, v, slots = new_kv(k, v, slots)
+    k_pages, v_pages = ops.write_kv(*kv, k, v, slots, implementation=cfg.kernels)
 
     def attend(q_groups, groups):
         if groups.length.shape[0] == 0:            # static: the bucket has no groups of this kind
@@ -64,7 +69,15 @@ def full_attention(p, x, kv, inputs: StepInputs, cfg: ModelConfig):
                                    query_positions(groups, inputs.positions), sm_scale=cfg.head_dim ** -0.5 * scale,
                                    implementation=cfg.kernels) * scale
 
+    def attend_prefill(q_groups, groups):
+        if cfg.kernels != "reference" or groups.length.shape[0] < MIN_GROUPS:
+            return attend(q_groups, groups)
+        # the jnp path: a long prefill's context read once a step, not once per group (prefill_attention.py)
+        return prefill_attention_by_sequence(
+            q_groups, k_pages, v_pages, groups.block_table, groups.kv_len, query_positions(groups, inputs.positions),
+            groups.is_first, groups.length, sm_scale=cfg.head_dim ** -0.5 * scale) * scale
+
     out_decode = attend(to_decode(q, inputs)[:, None], inputs.decode)[:, 0]
-    out_prefill = attend(to_prefill(q, inputs), inputs.prefill)
+    out_prefill = attend_prefill(to_prefill(q, inputs), inputs.prefill)
     out = attention_output(p, from_groups(out_decode, out_prefill, inputs), gate, x.dtype)
     return out, (k_pages, v_pages)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from qnext.config import ModelConfig
-from qnext.model.tensor_parallel import _device_major, _repeat_heads, sharded_model_config
+from qnext.model.head_layout import device_major, repeat_heads
+from qnext.model.tensor_parallel import sharded_model_config
 
 
 def _split(cfg: ModelConfig, tp: int) -> bool:
@@ -42,7 +43,7 @@ def kv_from_canonical(pages: np.ndarray, cfg: ModelConfig, tp: int) -> np.ndarra
 
 
 def _host_major(x: np.ndarray, axis: int, segments: list[int], tp: int) -> np.ndarray:
-    """The inverse of tensor_parallel._device_major: device r's slice [seg_0 r | seg_1 r | ...] -> [seg_0 | seg_1 ...]."""
+    """The inverse of head_layout.device_major: device r's slice [seg_0 r | seg_1 r | ...] -> [seg_0 | seg_1 ...]."""
     per_device = np.split(x, tp, axis=axis)
     bounds = np.cumsum([n // tp for n in segments])[:-1]
     parts = [np.split(d, bounds, axis=axis) for d in per_device]
@@ -75,5 +76,5 @@ def conv_from_canonical(conv: np.ndarray, cfg: ModelConfig, tp: int) -> np.ndarr
     sharded = sharded_model_config(cfg, tp)
     times = sharded.linear_num_key_heads // cfg.linear_num_key_heads
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    x = _repeat_heads(conv, conv.ndim - 1, _conv_segments(cfg), [(hk, times), (hk, times), (hv, 1)])
-    return _device_major(x, conv.ndim - 1, _conv_segments(sharded), tp)
+    x = repeat_heads(conv, conv.ndim - 1, _conv_segments(cfg), [(hk, times), (hk, times), (hv, 1)])
+    return device_major(x, conv.ndim - 1, _conv_segments(sharded), tp)

@@ -15,7 +15,8 @@ numerics: float32, differences from the sequential scan are rounding (tests/mode
 them).
 
 Attention's part (docs/long-context.md): the shards' K/V are all-gathered (the KV a prefill writes into the paged
-cache anyway) and each device attends its own queries over the gathered keys, causal by position; no ring.
+cache anyway) and each device attends its own queries over the gathered keys, causal by position; no ring. The
+engine's step over paged KV and state rows is qnext/model/context_parallel_step.py.
 """
 from __future__ import annotations
 
@@ -32,17 +33,15 @@ from qnext.model.deltanet import delta_rule_inputs, deltanet_output, deltanet_pr
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def shard_delta_rule(q, k, v, g, beta, axis: str, initial_state=None, chunk: int = CHUNK):
-    """Inside shard_map over `axis`: this device's shard of the delta rule (shapes as dense_gated_delta_rule, T the
-    shard's length). initial_state [B, Hv, dk, dv]: the state before the first shard (None: zeros). Returns
-    (o [B, T, Hv, dv], the state after the LAST shard, the same on every device), float32."""
+def _shard_scan(q, k, v, g, beta, axis: str, initial_state, chunk: int):
+    """This device's zero-state outputs B_t^T q_t, its mapped queries P_t^T q_t, the state entering its shard and
+    the state after the last shard (module docstring)."""
     b, _, hv, dv = v.shape
     dk = q.shape[-1]
     v_ext = jnp.concatenate([v.astype(jnp.float32), jnp.zeros(v.shape[:3] + (dk,), jnp.float32)], axis=-1)
     eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (b, hv, dk, dk))
     s_ext0 = jnp.concatenate([jnp.zeros((b, hv, dk, dv), jnp.float32), eye], axis=-1)
     o_ext, s_ext = dense_gated_delta_rule_with_state(q, k, v_ext, g, beta, s_ext0, chunk)
-    o_zero, q_mapped = o_ext[..., :dv], o_ext[..., dv:]                  # B_t^T q_t; P_t^T q_t [B, T, Hv, dk]
     ends = jax.lax.all_gather(s_ext, axis)                               # [n, B, Hv, dk, dv + dk]: the exchange
     here = jax.lax.axis_index(axis)
     start = jnp.zeros((b, hv, dk, dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
@@ -54,8 +53,23 @@ def shard_delta_rule(q, k, v, g, beta, axis: str, initial_state=None, chunk: int
         return jnp.matmul(shard_p, s, precision=_HIGHEST) + shard_b, s_in
 
     final, s_in = jax.lax.fori_loop(0, ends.shape[0], fold, (start, start))
+    return o_ext[..., :dv], o_ext[..., dv:], s_in, final
+
+
+def shard_delta_rule(q, k, v, g, beta, axis: str, initial_state=None, chunk: int = CHUNK):
+    """Inside shard_map over `axis`: this device's shard of the delta rule (shapes as dense_gated_delta_rule, T the
+    shard's length). initial_state [B, Hv, dk, dv]: the state before the first shard (None: zeros). Returns
+    (o [B, T, Hv, dv], the state after the LAST shard, the same on every device), float32."""
+    o_zero, q_mapped, s_in, final = _shard_scan(q, k, v, g, beta, axis, initial_state, chunk)
     o = o_zero + jnp.einsum("bthk,bhkv->bthv", q_mapped, s_in, precision=_HIGHEST)
     return o, final
+
+
+def shard_entry_state(q, k, v, g, beta, axis: str, initial_state=None, chunk: int = CHUNK):
+    """Inside shard_map over `axis`: the state [B, Hv, dk, dv] entering this device's shard, float32 (the engine's
+    context-parallel step starts its own kernels from it: qnext/model/context_parallel_step.py). Rows past a
+    shard's tokens must carry k = beta = g = 0, which leave the state as it is."""
+    return _shard_scan(q, k, v, g, beta, axis, initial_state, chunk)[2]
 
 
 def context_parallel_deltanet(p, x, cfg: ModelConfig, mesh: Mesh, axis: str = "context", chunk: int = CHUNK):

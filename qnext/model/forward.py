@@ -19,12 +19,14 @@ from qnext.model.step_inputs import StepInputs
 from qnext.model.tensor_parallel import all_reduce, gather_vocab, mixer_all_reduce
 
 
-def decoder_stack(params, buffers: CacheBuffers, inputs: StepInputs, cfg: ModelConfig, linear_layer=None):
+def decoder_stack(params, buffers: CacheBuffers, inputs: StepInputs, cfg: ModelConfig, linear_layer=None,
+                  attention_layer=full_attention):
     """The decoder layers over the flat batch: (x [T, H] before the final norm, updated buffers). KV layers of the
     buffers past the model's own (the MTP head's) pass through untouched. `linear_layer(p, h, conv, recurrent,
     inputs, cfg) -> (out, conv, recurrent)` replaces the Gated DeltaNet core (the verify step's per-position form,
     which captures nothing itself: qnext/model/verify.py's commit_positions writes its captures). With a narrow
-    snapshot pool, snapshot reads and captures are staged through float32 rows (qnext/model/snapshot_staging.py)."""
+    snapshot pool, snapshot reads and captures are staged through float32 rows (qnext/model/snapshot_staging.py).
+    `attention_layer` (full_attention's signature) replaces full attention (the context-parallel step's)."""
     captures_here = linear_layer is None
     linear_layer = linear_layer or gated_deltanet
     inputs, moves = stage(buffers, inputs)
@@ -50,7 +52,7 @@ def decoder_stack(params, buffers: CacheBuffers, inputs: StepInputs, cfg: ModelC
                         conv[j], recurrent[j], pool_conv[j], pool_recurrent[j], moves)
                 lin_i += 1
             else:
-                out, kv[kv_i] = full_attention(p["attn"], h, kv[kv_i], inputs, cfg)
+                out, kv[kv_i] = attention_layer(p["attn"], h, kv[kv_i], inputs, cfg)
                 kv_i += 1
             x = x + mixer_all_reduce(out, cfg)        # the sum of the devices' partial outputs (tensor parallel)
             mlp_out = feed_forward(p["mlp"], rms_norm(x, p["post_attn_norm"], cfg.rms_norm_eps), cfg, i)

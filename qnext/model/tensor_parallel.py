@@ -16,8 +16,8 @@ chunk loops, paged attention, the conv) then use every core, where one device ru
 What is split is read from the params' declared logical axes (qnext/model/weights.py: "heads", "mlp", "vocab").
 Fused projections declare their segments along that axis (qkv_proj: q | gate | k | v); sharding takes each
 segment's r-th part for device r, so the weights are re-ordered once at load: device-major, then segment, then the
-segment's own order. A bias added after a row-parallel projection (o_bias) is divided by tp (exact for powers of
-two), as every device adds it before the all-reduce.
+segment's own order (qnext/model/head_layout.py). A bias added after a row-parallel projection (o_bias) is divided
+by tp (exact for powers of two), as every device adds it before the all-reduce.
 
 Head counts that do not divide (vLLM's and SGLang's rule): when tp is a multiple of the KV heads (the flagship's 2
 KV heads at TP8), each KV head is replicated over the tp / Hkv devices whose query heads use it; likewise DeltaNet
@@ -45,8 +45,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cache.device_buffers import CacheBuffers
 from qnext.config import ModelConfig
-from qnext.model.fp8_sharding import reorder_fp8
 from qnext.ops.fp8_weight import Fp8Weight
+from qnext.model.head_layout import device_major, repeat_heads
 from qnext.model.host_devices import engine_devices
 from qnext.model.weights import ParamSpec, map_specs, param_specs
 
@@ -186,35 +186,6 @@ def buffer_specs(buffers: CacheBuffers, cfg: ModelConfig) -> CacheBuffers:
                            snapshot_recurrent=tuple(_spec(1) for _ in buffers.snapshot_recurrent))
 
 
-def _device_major(x, axis: int, segments: list[int], tp: int, name: str = ""):
-    """Re-orders the fused segments along `axis` so that the r-th 1/tp of the axis holds every segment's r-th part."""
-    if isinstance(x, Fp8Weight):
-        return reorder_fp8(x, axis, segments, [n // tp for n in segments],
-                           lambda a, ax, seg, first: _device_major(a, ax, seg, tp), name=name, tp=tp)
-    parts = np.split(x, np.cumsum(segments)[:-1], axis=axis)
-    per_device = [np.split(p, tp, axis=axis) for p in parts]
-    return np.concatenate([per_device[j][r] for r in range(tp) for j in range(len(parts))], axis=axis)
-
-
-def _repeat_heads(x, axis: int, segments: list[int], repeats: list[int], name: str = "", tp: int = 1):
-    """Fused segments along `axis`, each segment j's heads (rows of its size / heads) repeated repeats[j] times in
-    place (head h -> copies h, h, ...), given as repeats[j] = (heads, times)."""
-    if isinstance(x, Fp8Weight):
-        heads = [n // h if times > 1 else n for n, (h, times) in zip(segments, repeats)]
-        return reorder_fp8(x, axis, segments, heads, lambda a, ax, seg, first: _repeat_heads(
-            a, ax, seg, repeats[first:first + len(seg)]), name=name, tp=tp)
-    parts = np.split(x, np.cumsum(segments)[:-1], axis=axis)
-    out = []
-    for part, (heads, times) in zip(parts, repeats):
-        if times > 1:
-            shape = part.shape
-            part = part.reshape(shape[:axis] + (heads, shape[axis] // heads) + shape[axis + 1:])
-            part = np.repeat(part, times, axis=axis)
-            part = part.reshape(shape[:axis] + (shape[axis] * times,) + shape[axis + 1:])
-        out.append(part)
-    return np.concatenate(out, axis=axis)
-
-
 def replicate_heads(params, cfg: ModelConfig, tp: int):
     """Host params of cfg -> host params of sharded_model_config(cfg, tp): the K and V rows of qkv_proj / qkv_bias
     and the q and k rows of a DeltaNet's in_proj / conv_weight repeated per head (the same arrays when nothing is
@@ -233,12 +204,12 @@ def replicate_heads(params, cfg: ModelConfig, tp: int):
     for i, layer in enumerate(params["layers"]):
         attn = dict(layer["attn"])
         if cfg.is_linear_layer(i):
-            attn["in_proj"] = _repeat_heads(attn["in_proj"], 0, *in_segments, f"layers.{i}.attn.in_proj", tp)
-            attn["conv_weight"] = _repeat_heads(attn["conv_weight"], 0, *conv_segments)
+            attn["in_proj"] = repeat_heads(attn["in_proj"], 0, *in_segments, f"layers.{i}.attn.in_proj", tp)
+            attn["conv_weight"] = repeat_heads(attn["conv_weight"], 0, *conv_segments)
         else:
             for name in ("qkv_proj", "qkv_bias"):
                 if name in attn:
-                    attn[name] = _repeat_heads(attn[name], 0, *attn_segments, f"layers.{i}.attn.{name}", tp)
+                    attn[name] = repeat_heads(attn[name], 0, *attn_segments, f"layers.{i}.attn.{name}", tp)
         layers.append({**layer, "attn": attn})
     return {**params, "layers": tuple(layers)}
 
@@ -256,9 +227,9 @@ def shard_params(params, cfg: ModelConfig, mesh: Mesh):
             leaf = leaf[key]
         name = "/".join(map(str, path))
         if spec.segments is not None and axis is not None and spec.axes[axis] in SPLIT_AXES:   # segments' axis
-            leaf = _device_major(leaf, axis, list(spec.segments), tp, name)
+            leaf = device_major(leaf, axis, list(spec.segments), tp, name)
         elif isinstance(leaf, Fp8Weight) and axis is not None:   # whole blocks on each device: checked
-            leaf = _device_major(leaf, axis, [leaf.shape[axis]], tp, name)
+            leaf = device_major(leaf, axis, [leaf.shape[axis]], tp, name)
         if spec.after_reduce and cfg.attention_tensor_parallel:   # every device adds it before the all-reduce
             leaf = leaf / tp                                      # (exact for powers of two)
         return jax.device_put(leaf, NamedSharding(mesh, _spec(axis)))

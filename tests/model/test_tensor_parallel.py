@@ -10,7 +10,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from qnext.model.tensor_parallel import _device_major, local_config, make_mesh, replicate_heads, sharded_model_config
+from qnext.model.head_layout import device_major
+from qnext.model.tensor_parallel import local_config, make_mesh, replicate_heads, sharded_model_config
 
 from tests.support.host_device_script import run_on_host_devices
 
@@ -71,9 +72,9 @@ def test_two_devices_match_one(tmp_path):
 def test_fused_segments_go_device_major():
     # two segments [a0 a1 | b0 b1 b2 b3] over 2 devices -> device 0: a0 b0 b1, device 1: a1 b2 b3
     x = np.array([10, 11, 20, 21, 22, 23])
-    np.testing.assert_array_equal(_device_major(x, 0, [2, 4], 2), [10, 20, 21, 11, 22, 23])
+    np.testing.assert_array_equal(device_major(x, 0, [2, 4], 2), [10, 20, 21, 11, 22, 23])
     w = np.arange(12).reshape(2, 6)                    # along axis 1, rows kept
-    np.testing.assert_array_equal(_device_major(w, 1, [2, 4], 2)[1], [6, 8, 9, 7, 10, 11])
+    np.testing.assert_array_equal(device_major(w, 1, [2, 4], 2)[1], [6, 8, 9, 7, 10, 11])
 
 
 def test_local_config_splits_heads_and_rejects_what_does_not_divide(tiny_checkpoint):
