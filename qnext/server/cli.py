@@ -135,7 +135,9 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
     if args.nnodes > 1:                 # each rank brings tensor_parallel_size / nnodes devices
         request_host_devices((engine_options.get("tensor_parallel_size") or args.nnodes) // args.nnodes)
     elif args.data_parallel_size == 1 or args.data_parallel_backend == "thread":
-        request_host_devices((engine_options.get("tensor_parallel_size") or 1) * args.data_parallel_size)  # before JAX
+        per_replica = max(engine_options.get("tensor_parallel_size") or 1,
+                          engine_options.get("context_parallel_size") or 1)     # CP refuses TP: one of them is 1
+        request_host_devices(per_replica * args.data_parallel_size)                 # before JAX starts
     import qnext
     from qnext.engine.llm_engine import freeze_startup_heap
     from qnext.server.app import build_app
