@@ -13,19 +13,20 @@ from qnext.server.launch import running_server
 from qnext.testing.api_fuzz import APIS, generate_cases, send_all
 from qnext.testing.api_fuzz.request_schemas import chat_completion_schema, completion_schema
 
-# The server warms up before it answers (from JAX's compilation cache when an earlier start filled it): every step
-# shape, pictures' included, is compiled then. Compiles on first use ran on the engine thread and held every
-# request for minutes now and then (a stall past the deadline); the tower (once per picture size) and the rarer
-# sampler variants still compile on first use, seconds each.
+# The server warms up every step shape, pictures' included, before it answers, at every start
+# (--no-warm-up-cache-check: a start that finds them in JAX's compilation cache would otherwise skip the warm-up and
+# trace each one on first use, seconds each). Compiles on first use ran on the engine thread and held every request,
+# for minutes now and then (stalls past the deadline); the tower (once per picture size) and the rarer sampler
+# variants still compile on first use, seconds each.
 SERVER_ARGS = ["--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
-               "--log-level", "info"]
+               "--no-warm-up-cache-check", "--log-level", "info"]
 DEADLINE_S = 240
 REQUESTS = {"chat": 200, "completions": 150, "messages": 200, "count_tokens": 100, "responses": 200}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with running_server(SERVER_ARGS, timeout=900, log_path=tmp_path_factory.mktemp("server") / "server.log",
+    with running_server(SERVER_ARGS, timeout=1200, log_path=tmp_path_factory.mktemp("server") / "server.log",
                         env={"JAX_PLATFORMS": "cpu"}) as proc:
         yield proc
 
