@@ -32,7 +32,7 @@ from qnext.testing.api_fuzz import APIS, CaseResult, generate_cases, send_all
 from qnext.testing.api_fuzz.cases import get_cases
 
 SERVER_ARGS = ["--max-model-len", "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
-               "--log-level", "info"]
+               "--no-warm-up-cache-check", "--log-level", "info"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

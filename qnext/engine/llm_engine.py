@@ -182,7 +182,7 @@ class LLMEngine(PrefillDecodeEnds):
 
     @property
     def num_step_shapes(self) -> int:
-        return len(self.runner.buckets.all)
+        return self.runner.num_step_shapes
 
     # ---- requests --------------------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:

@@ -161,7 +161,8 @@ class ModelRunner:
         if plan.speculative:                     # grammar rows: a mask per window position
             window = window.replace(token_bitmask=self._window_bitmask(plan, window, inputs))
         if self.visual_encoder is not None and not plan.speculative:
-            inputs = self.visual_encoder.attach(plan.items, inputs)     # MRoPE positions of rows with pictures
+            inputs = self.visual_encoder.attach(plan.items, inputs, embeds=False)   # MRoPE positions of rows
+            # with pictures
         rows = _sampling_rows(plan.items)       # greedy rows with penalties need their tensors too
         sampling, num_logprobs = (None, None) if self.sampler_inputs.plain_greedy(rows) else \
             self.sampler_inputs.build(rows, d)
@@ -295,9 +296,20 @@ class ModelRunner:
         inputs = runs.layout([], bucket, window)
         sampled, _ = self.sampler_inputs.build([SamplingRow("warm-up", _WARM_UP_SAMPLING[1], [0], [], 0)], d)
         self.sampler_inputs.free("warm-up")
-        for sampling in (None, sampled):
-            buffers = runs.run(self.params, buffers, inputs, window, sampling, None)[2]
+        variants = [inputs]
+        if self.visual_encoder is not None and runs is self._multi:       # rows with pictures: MRoPE positions
+            t = inputs.token_ids.shape[0]
+            variants.append(inputs.replace(rope_positions=np.broadcast_to(
+                np.asarray(inputs.positions, np.int32), (3, t)).copy()))
+        for variant in variants:
+            for sampling in (None, sampled):
+                buffers = runs.run(self.params, buffers, variant, window, sampling, None)[2]
         return buffers
+
+    @property
+    def num_step_shapes(self) -> int:
+        """The step shapes warm-up compiles: one per bucket, and with a tower one more per bucket (pictures)."""
+        return len(self.buckets.all) * (1 if self.visual_encoder is None else 2)
 
     def warm_up(self, buffers: CacheBuffers, on_bucket=None) -> CacheBuffers:
         """Compiles the step for every bucket (and the common sampler variants) on idle inputs that write nothing
@@ -313,11 +325,16 @@ class ModelRunner:
                 segments.append(Segment([0] * 2, 0, [0], -1, 0))
             inputs = build_step_inputs(segments, s, block_size=self.config.block_size, chunk=bucket.chunk,
                                        with_lora=self.lora is not None)
-            if self._hidden:
-                logits, _, hidden, buffers = self._step(self._step_params(), buffers, inputs)
-                buffers = self.drafter.warm_up(self.params, bucket, inputs, hidden, buffers)
-            else:
-                logits, _, buffers = self._step(self._step_params(), buffers, inputs)
+            # with a tower, a step with pictures has one more shape per bucket (visual_encoder.py): both compile here
+            variants = [inputs] if self.visual_encoder is None else [inputs, self.visual_encoder.placeholder(inputs)]
+            for variant in variants:
+                if self._hidden:
+                    logits, _, hidden, buffers = self._step(self._step_params(), buffers, variant)
+                    buffers = self.drafter.warm_up(self.params, bucket, variant, hidden, buffers)
+                else:
+                    logits, _, buffers = self._step(self._step_params(), buffers, variant)
+                if variant is not inputs and on_bucket is not None:
+                    on_bucket()
             if self.context_parallel is not None:                 # and the split prefill step
                 buffers = self.context_parallel.warm_up(self.params, buffers, bucket)
             # decode buckets also run windows; grammar fast-forward's alone compile on first use, as the grammar's

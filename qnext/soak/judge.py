@@ -101,7 +101,17 @@ def resource_growth(samples: list[Sample], second_half_from: float, until: float
                                           round(last[-1].rss_by_process.get(name, 0) / 2**20, 1)]
                                    for name in (last[-1].rss_by_process or {})},
             "fds_start": median(first, "fds"), "fds_end": median(last, "fds"),
-            "threads_start": median(first, "threads"), "threads_end": median(last, "threads")}
+            "threads_start": median(first, "threads"), "threads_end": median(last, "threads"),
+            "rss_mib_series": rss_series(samples)}
+
+
+def rss_series(samples: list[Sample], points: int = 24) -> list[list]:
+    """The whole run's RSS, `points` samples evenly spread: [seconds, total MiB, {process: MiB}] each. Not judged:
+    it tells a plateau (warm-up) from steady growth (a leak), which the second half's two ends cannot."""
+    step = max(1, -(-len(samples) // points))
+    picked = samples[::step] + ([samples[-1]] if (len(samples) - 1) % step else [])
+    return [[round(s.t, 1), round(s.rss_bytes / 2**20, 1),
+             {name: round(b / 2**20, 1) for name, b in (s.rss_by_process or {}).items()}] for s in picked]
 
 
 def judge_resources(growth: dict) -> list[str]:

@@ -53,6 +53,16 @@ def test_resources_fail_on_growth_over_the_second_half():
     assert "error" in resource_growth(restarted, 50)                    # too few samples of the final process
 
 
+def test_the_report_has_the_whole_runs_rss_to_tell_a_plateau_from_a_leak():
+    mib = 2**20
+    samples = [Sample(t, (500 + t) * mib, 30, 20, (1,), {"front": (400 + t) * mib, "replica": 100 * mib})
+               for t in range(0, 100, 2)]
+    series = resource_growth(samples, 50)["rss_mib_series"]
+    assert 2 <= len(series) <= 25 and series[0] == [0, 500.0, {"front": 400.0, "replica": 100.0}]
+    assert series[-1] == [98, 598.0, {"front": 498.0, "replica": 100.0}]
+    assert [p[1] for p in series] == sorted(p[1] for p in series) and series[1][1] > 500
+
+
 def test_idle_pools_must_be_empty():
     text = ('# HELP qnext:kv_cache_usage_perc x\nqnext:kv_cache_usage_perc{model_name="m"} 0.0\n'
             'qnext:num_requests_running{model_name="m"} 0.0\nqnext:num_requests_waiting{model_name="m"} 0.0\n'
