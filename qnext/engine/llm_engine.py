@@ -49,13 +49,14 @@ from qnext.model.tensor_parallel import make_mesh, parallel_config
 from qnext.model.vision_weights import replaced_vision_params
 from qnext.outputs import RequestOutput
 from qnext.sampling_params import SamplingParams
+from qnext.served_engine import EngineSnapshot, ServedEngine, ServedModel
 from qnext.structured import GrammarCompiler
 from qnext.tokenizer import Tokenizer
 
 WEIGHTS_DIGEST_MEMO = "weights_digest.json"   # in prefix_cache_dir: the checkpoint's digest, by file sizes and times
 
 
-class LLMEngine(PrefillDecodeEnds):
+class LLMEngine(PrefillDecodeEnds, ServedEngine):
     _weights_digest: str | None = None   # of the weights the cache was computed with (only with prefix_cache_dir)
     compilation_cache_dir: str | None = None   # JAX's persistent compilation cache this engine turned on (None: off)
     _checkpoint_files: list[Path] | None = None   # the weights' files while the engine computes with them
@@ -282,6 +283,19 @@ class LLMEngine(PrefillDecodeEnds):
     def cache_usage(self) -> dict:
         """Pool occupancy now (EngineCache.usage): KV blocks, live state rows, snapshot rows."""
         return self.cache.usage()
+
+    @property
+    def served_model(self) -> ServedModel:
+        return ServedModel(self.tokenizer, self.max_model_len, self.model_config.vocab_size, self.config.block_size,
+                           self.cache_sizes.num_blocks, self.vision, self.validate_structured_outputs)
+
+    def status(self) -> EngineSnapshot:
+        return EngineSnapshot(self.num_running, self.num_waiting, dataclasses.asdict(self.cache_stats),
+                              dataclasses.asdict(self.stats), self.cache_usage())
+
+    def take_failed_requests(self) -> list[tuple[str, Exception]]:
+        """None here: a request fails alone only in a PD decode role (server/pd_role_engines.py)."""
+        return []
 
     def running_request_ids(self) -> list[str]:
         """The requests with a running sample (a request's n samples once)."""

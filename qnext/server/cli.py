@@ -179,9 +179,10 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
         pd = pd_options_from_args(args)                                # before the model loads: minutes
         pictures = media_limits(args)                                  # the same: a bad media flag is a ValueError
         if args.data_parallel_size > 1:
-            from qnext.server.data_parallel import build_replicas
+            from qnext.server.data_parallel_startup import build_replicas
 
-            engine, async_engine, metrics = build_replicas(model, engine_options, args, names[0])
+            engine = None                                              # the replicas' engines are theirs
+            async_engine, metrics = build_replicas(model, engine_options, args, names[0])
         else:
             engine = qnext.LLM(model, progress=logger.info, **engine_options).engine
             if not args.no_warm_up:
