@@ -19,7 +19,7 @@ from qnext.engine.intake import validate_prompt
 from qnext.sampling_params import SamplingParams
 from qnext.server.chat_request import ChatInputs, ChatRequest, ChatTranslator
 from qnext.server.engine_front import EngineFront
-from qnext.server.engine_loop import EngineStepError, EngineStoppedError, QueueFullError, RequestError
+from qnext.server.engine_errors import EngineStepError, EngineStoppedError, QueueFullError, RequestError
 from qnext.server.errors import APIError, bad_request, engine_error
 from qnext.server.pd_serving import PD_REQUEST
 from qnext.server.prompt_bound import PromptBound

@@ -133,7 +133,7 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
     elif args.data_parallel_size == 1 or args.data_parallel_backend == "thread":
         request_host_devices((engine_options.get("tensor_parallel_size") or 1) * args.data_parallel_size)  # before JAX
     import qnext
-    from qnext.engine.llm_engine import freeze_startup_heap
+    from qnext.engine.startup_heap import freeze_startup_heap
     from qnext.server.app import build_app
     from qnext.engine.compilation_cache import resolve_compilation_cache_dir, warm_up_unless_cached
     from qnext.server.startup import warm_up_with_progress

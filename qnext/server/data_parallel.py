@@ -25,7 +25,8 @@ from qnext.engine.visual_intake import visual_prompt
 from qnext.sampling_params import SamplingParams
 from qnext.served_engine import EngineSnapshot, ServedEngine, ServedModel
 from qnext.server.engine_front import EngineFront
-from qnext.server.engine_loop import AsyncEngine, EngineStoppedError, QueueFullError
+from qnext.server.engine_errors import EngineStoppedError, QueueFullError
+from qnext.server.engine_loop import AsyncEngine
 from qnext.server.merged_metrics import MergedMetrics
 from qnext.server.metrics import ServerMetrics
 from qnext.server.prefix_affinity import POLICIES, PrefixAffinity

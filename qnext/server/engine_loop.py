@@ -17,31 +17,11 @@ import time
 from qnext.outputs import RequestOutput
 from qnext.sampling_params import SamplingParams
 from qnext.served_engine import EngineSnapshot, ServedEngine, ServedModel
+from qnext.server.engine_errors import EngineStepError, EngineStoppedError, QueueFullError, RequestError
 from qnext.server.engine_front import EngineFront
-from qnext.server.request_stream import RequestStream, StreamDelta
+from qnext.server.request_stream import RequestStream
 
 logger = logging.getLogger("qnext.server")
-
-
-class QueueFullError(Exception):
-    """More requests are waiting than --max-waiting-requests allows."""
-
-
-class EngineStepError(Exception):
-    """The engine step that was running this request raised."""
-
-
-class EngineStoppedError(Exception):
-    """The engine loop has stopped (shutdown or a fatal error)."""
-
-
-class RequestError(Exception):
-    """The engine refused or failed this one request, its neighbours going on; `status` is the HTTP status it means
-    (4xx: the client's request was at fault; 5xx: a peer or the server was)."""
-
-    def __init__(self, message: str, status: int = 500):
-        super().__init__(message)
-        self.status = status
 
 
 class AsyncEngine(EngineFront):
@@ -254,22 +234,7 @@ class AsyncEngine(EngineFront):
                 self._deliver(stream, out)
 
     def _deliver(self, stream: RequestStream, out: RequestOutput) -> None:
-        """One delta per choice that has new tokens or has just finished (n > 1: choices advance apart)."""
-        deltas = []
-        for completion in out.outputs:
-            i = completion.index
-            new_tokens = completion.token_ids[stream.num_tokens_sent.get(i, 0):]
-            new_logprobs = None
-            if completion.logprobs is not None:
-                new_logprobs = list(completion.logprobs[stream.num_logprobs_sent.get(i, 0):])
-                stream.num_logprobs_sent[i] = stream.num_logprobs_sent.get(i, 0) + len(new_logprobs)
-            stream.num_tokens_sent[i] = len(completion.token_ids)
-            just_finished = completion.finish_reason is not None and i not in stream.finished_choices
-            if just_finished:
-                stream.finished_choices.add(i)
-            text = self.engine.stream_text(out.request_id, i)
-            if new_tokens or text or just_finished or len(out.outputs) == 1:
-                deltas.append(StreamDelta(text, list(new_tokens), new_logprobs, out, index=i))
+        deltas = stream.deltas(out, self.engine.stream_text)
         if any(d.token_ids for d in deltas) and stream.first_token_time is None:
             stream.first_token_time = time.perf_counter()
             if self.observer is not None:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from qnext.engine.pd_requests import PrefillExports
 from qnext.engine.pd_transfer import PeerMismatchError
 from qnext.served_engine import EngineSnapshot, ForwardingEngine
-from qnext.server.engine_loop import RequestError
+from qnext.server.engine_errors import RequestError
 from qnext.server.pd_options import PDOptions
 
 if TYPE_CHECKING:
@@ -25,14 +25,14 @@ class PrefillRoleEngine(ForwardingEngine):
 
     def __init__(self, engine: LLMEngine, options: PDOptions):
         super().__init__(engine)
-        self.exports: PrefillExports = engine.prefill_exports
+        self.exports: PrefillExports = engine.pd.exports
         self.exports.limit(options.bundle_ttl_s, options.max_bundle_bytes)
 
     def add_request(self, request_id, prompt, params=None):
         pd = prompt.pop("pd", None) if isinstance(prompt, dict) else None
         if pd is None:
             return self.inner.add_request(request_id, prompt, params)
-        self.inner.add_prefill_request(request_id, prompt, params)
+        self.inner.pd.add_prefill_request(request_id, prompt, params)
 
 
 class DecodeRoleEngine(ForwardingEngine):
@@ -54,7 +54,7 @@ class DecodeRoleEngine(ForwardingEngine):
         if request_id in self._pending:
             raise ValueError(f"request id {request_id!r} is already in use")
         try:
-            pending = self.inner.begin_transferred_request(request_id, prompt, params, pd.source.meta)
+            pending = self.inner.pd.begin_transferred_request(request_id, prompt, params, pd.source.meta)
         except PeerMismatchError as e:
             raise RequestError(f"{e} (prefill server {pd.prefill_url})", 502) from None
         self._pending[request_id] = (pending, self._fetches.submit(pending.fetch, pd.source), pd.prefill_url)
@@ -78,9 +78,9 @@ class DecodeRoleEngine(ForwardingEngine):
             try:
                 if future.exception() is not None:
                     raise future.exception()
-                self.inner.finish_transferred_request(pending)
+                self.inner.pd.finish_transferred_request(pending)
             except Exception as e:       # noqa: BLE001 (whatever went wrong, this request alone fails)
-                self.inner.cancel_transferred_request(pending)
+                self.inner.pd.cancel_transferred_request(pending)
                 error = _request_error(e, url)
                 logger.warning("request %s: its transfer failed: %s", request_id, error)
                 self._failed.append((request_id, error))
@@ -94,7 +94,7 @@ class DecodeRoleEngine(ForwardingEngine):
         entry = self._pending.pop(request_id, None)
         if entry is None:
             return self.inner.abort_request(request_id)
-        self.inner.cancel_transferred_request(entry[0])     # its fetch, if still running, is dropped when done
+        self.inner.pd.cancel_transferred_request(entry[0])     # its fetch, if still running, is dropped when done
         return None
 
     def close(self) -> None:

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from qnext.distributed.cluster_secret import SECRET_HEADER, ClusterSecret
-from qnext.server.engine_loop import RequestError
+from qnext.server.engine_errors import RequestError
 from qnext.server.pd_mover import PD_HEADER, PrefillMover, RemoteBundle, check_pd_id, read_bundle_meta
 from qnext.server.pd_options import PDOptions
 

@@ -2,8 +2,8 @@
 
 `ProcessReplica` is an EngineFront (engine_front.py), as AsyncEngine is, so the router (data_parallel.py) treats
 thread and process replicas alike; of the engine, the HTTP side holds only its ServedModel (`served_model_of`: the
-replica's limits, with the tokenizer and picture preprocessing loaded here). A reader thread turns the replica's messages into the
-request streams' deltas and the metrics observer's calls (first token, finish: timed here, where the client waits).
+replica's limits, with the tokenizer and picture preprocessing loaded here). A reader thread turns the replica's
+messages into the request streams' deltas and the metrics observer's calls (first token, finish: timed here, where the client waits).
 When the replica's process exits, its pipe closes: the replica is marked down, every request it held fails with
 ReplicaDownError (503, naming the replica and its exit code), and the router stops sending it requests."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 from qnext.sampling_params import SamplingParams
 from qnext.served_engine import EngineSnapshot, ServedModel
 from qnext.server.engine_front import EngineFront
-from qnext.server.engine_loop import EngineStepError, EngineStoppedError, QueueFullError
+from qnext.server.engine_errors import EngineStepError, EngineStoppedError, QueueFullError
 from qnext.server.replica_devices import ReplicaDevices
 from qnext.server.request_stream import RequestStream
 

@@ -89,7 +89,7 @@ async def _serve(conn, model: str, engine_options: dict, warm_up: bool) -> None:
 
 
 async def _run_request(conn, async_engine, request_id: str, prompt: dict, params) -> None:
-    from qnext.server.engine_loop import EngineStepError, EngineStoppedError, QueueFullError
+    from qnext.server.engine_errors import EngineStepError, EngineStoppedError, QueueFullError
 
     try:
         stream = await async_engine.add(request_id, prompt, params)

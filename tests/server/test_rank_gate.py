@@ -16,7 +16,8 @@ import pytest
 from qnext.distributed.rank_handshake import RankCredentials, introduce
 from qnext.distributed.rank_heartbeat import RankMonitor
 from qnext.served_engine import EngineSnapshot, ServedEngine, ServedModel
-from qnext.server.engine_loop import AsyncEngine, EngineStoppedError
+from qnext.server.engine_errors import EngineStoppedError
+from qnext.server.engine_loop import AsyncEngine
 from qnext.server.launch import free_port
 from qnext.server.multinode import watch_ranks
 from qnext.server.rank_gate import RankGate

@@ -10,7 +10,8 @@ import pytest
 from qnext.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from qnext.sampling_params import SamplingParams
 from qnext.served_engine import EngineSnapshot, ServedEngine, ServedModel
-from qnext.server.engine_loop import AsyncEngine, EngineStepError, EngineStoppedError, QueueFullError, RequestError
+from qnext.server.engine_errors import EngineStepError, EngineStoppedError, QueueFullError, RequestError
+from qnext.server.engine_loop import AsyncEngine
 
 
 @dataclasses.dataclass
