@@ -236,7 +236,7 @@ class Scheduler:
                 produced = True
             seq.draft_token_ids = result.drafts.get(seq.request_id, [])
             self.cache.commit(seq.request_id, seq.token_view, seq.num_computed_tokens)
-            if produced and stop is None:       # a feature may end it here (a PD prefill request: its first token)
+            if plan.multi is None and produced and stop is None:    # a feature may end it here (PD prefill)
                 for feature in seq.features:
                     stop = stop or feature.after_sample(seq, result.sampled[seq.request_id], self.cache)
             forked = self._fork(seq, it.forks, result) if it.forks else []

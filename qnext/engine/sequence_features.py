@@ -8,7 +8,9 @@ The points:
   holds it back for a sibling computing the same prefix; the feature is dropped once admitted (a preemption then
   recomputes the prompt like any other);
 - abort while waiting: `dropped` releases what the feature holds in the cache;
-- after a step sampled a token that did not end the request: `after_sample` may end it there (a stop).
+- after a one-token step sampled a token that did not end the request: `after_sample` may end it there (a stop).
+  Not called for the tokens of a multi-step window (num_scheduler_steps > 1, MTP): a feature that must see every
+  token does not get them there yet.
 
 The PD features (engine/pd_features.py) are the first: a decode engine's transferred prompt, a prefill engine's
 export. Kept free of imports of the engine's modules: sequence.py imports this one."""
