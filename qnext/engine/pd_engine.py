@@ -50,7 +50,8 @@ class PrefillDecodeEnds:
         """The bundles of the prompts the last step computed, read out of the buffers: right after the step's
         postprocess, before anything else writes their freed blocks or row."""
         if self._prefilled:
-            prefilled, self._prefilled[:] = list(self._prefilled), []
+            prefilled = list(self._prefilled)
+            self._prefilled.clear()              # in place: the requests' ExportPrefillFeatures hold this list
             self.exports.export(prefilled, self.cache.manager)
 
     def take_prefill_bundle(self, request_id: str) -> PrefillBundle | None:
