@@ -52,7 +52,7 @@ class CacheManager:
         self._offload_evictions = True  # False while clearing: nothing cleared is kept in any tier
         self._free_slots = list(range(config.num_live_slots, 0, -1))
         self._seqs: dict[Hashable, SequenceRecord] = {}
-        self.transferred = TransferredPrompts(config, self.blocks, block_hash_fn)
+        self.transferred = TransferredPrompts(config, self.blocks, block_hash_fn, admitted=self._seqs)
 
     # ---- queries --------------------------------------------------------------------------------------------------
     @property
@@ -292,15 +292,7 @@ class CacheManager:
         self.blocks.release(self._twin_originals(seq))
         self._free_slots.append(seq.state_row)
 
-    # ---- a prompt computed elsewhere: its hold and admission (cache/transferred_prompts.py) ------------------------
-    def hold_prefix(self, seq_id, prompt_token_ids: Sequence[int]) -> int:
-        if self.transferred.is_held(seq_id) or seq_id in self._seqs:
-            raise ValueError(f"sequence {seq_id!r} is already held or admitted")
-        return self.transferred.hold(seq_id, prompt_token_ids)
-
-    def drop_held(self, seq_id) -> None:
-        self.transferred.drop(seq_id)
-
+    # ---- a prompt computed elsewhere, held by `transferred` (cache/transferred_prompts.py), admitted here ----------
     def admit_transferred(self, seq_id, token_ids: Sequence[int], num_computed_tokens: int) -> Admission | None:
         """None (the hold kept) when no live row or not enough blocks."""
         num_fresh = self.transferred.num_fresh_blocks(seq_id, token_ids, num_computed_tokens)

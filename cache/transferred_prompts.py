@@ -1,10 +1,10 @@
 """A prompt computed elsewhere (prefill/decode disaggregation, docs/pd.md): the leading blocks this cache already
 holds are kept (the transfer then brings only the rest) from the hold until the sequence's admission or the hold's
-drop. An object the CacheManager holds, with its own state (the holds); the manager's hold_prefix, drop_held and
-admit_transferred are its three calls, the manager giving the sequence its live row."""
+drop. An object the CacheManager holds (`manager.transferred`), with its own state (the holds); the manager's
+admit_transferred gives the sequence its live row and takes its record."""
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from typing import Hashable, Mapping, Sequence
 
 from cache.block_pool import BlockPool
 from cache.config import CacheConfig
@@ -13,8 +13,10 @@ from cache.records import SequenceRecord
 
 
 class TransferredPrompts:
-    def __init__(self, config: CacheConfig, blocks: BlockPool, block_hash_fn: BlockHashFn):
-        self.config, self.blocks, self.block_hash_fn = config, blocks, block_hash_fn
+    def __init__(self, config: CacheConfig, blocks: BlockPool, block_hash_fn: BlockHashFn,
+                 admitted: Mapping[Hashable, SequenceRecord]):
+        """admitted: the manager's admitted sequences (read only: an id there cannot be held)."""
+        self.config, self.blocks, self.block_hash_fn, self._admitted = config, blocks, block_hash_fn, admitted
         self._held: dict[Hashable, list[int]] = {}     # sequence id -> the leading blocks kept for it
 
     def is_held(self, seq_id) -> bool:
@@ -22,7 +24,10 @@ class TransferredPrompts:
 
     def hold(self, seq_id, prompt_token_ids: Sequence[int]) -> int:
         """Keeps the cached device blocks that begin the prompt (chain hashes, confirmed by tokens; every full block,
-        since the state comes with the transfer). Returns how many: blocks 0..k-1 need not be moved here."""
+        since the state comes with the transfer) until the sequence's admission or `drop`. Returns how many: blocks
+        0..k-1 need not be moved here."""
+        if seq_id in self._held or seq_id in self._admitted:
+            raise ValueError(f"sequence {seq_id!r} is already held or admitted")
         bs = self.config.block_size
         held: list[int] = []
         if self.config.enable_prefix_caching:

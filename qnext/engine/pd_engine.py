@@ -86,7 +86,7 @@ class PrefillDecodeEnds:
         try:
             self._check_new(seq.request_id)
         except (ValueError, RuntimeError):
-            self.cache.manager.drop_held(seq.request_id)
+            self.cache.manager.transferred.drop(seq.request_id)
             raise
         transferred = pending.staged
         seq.features.append(TransferredPromptFeature(transferred, len(seq.prompt_token_ids)))
@@ -98,4 +98,4 @@ class PrefillDecodeEnds:
 
     def cancel_transferred_request(self, pending: PendingTransfer) -> None:
         """Releases what begin_transferred_request held (its fetch failed, or the request was aborted)."""
-        self.cache.manager.drop_held(pending.seq.request_id)
+        self.cache.manager.transferred.drop(pending.seq.request_id)

@@ -24,7 +24,7 @@ class TransferredPromptFeature(SequenceFeature):
         return admission
 
     def dropped(self, manager, seq) -> None:
-        manager.drop_held(seq.request_id)          # the leading blocks held for it (CacheManager.hold_prefix)
+        manager.transferred.drop(seq.request_id)          # the leading blocks held for it (CacheManager.transferred.hold)
 
 
 class ExportPrefillFeature(SequenceFeature):

@@ -131,7 +131,7 @@ def begin_transfer(seq: Sequence, meta: dict, cache: EngineCache, cfg: ModelConf
                          "max_model_len")
     manager = cache.manager
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), manager.buffers)
-    return PendingTransfer(seq, meta, manager.hold_prefix(seq.request_id, seq.prompt_token_ids), shapes, cfg, tp)
+    return PendingTransfer(seq, meta, manager.transferred.hold(seq.request_id, seq.prompt_token_ids), shapes, cfg, tp)
 
 
 def finish_transfer(pending: PendingTransfer, cache: EngineCache) -> Sequence:
@@ -139,6 +139,6 @@ def finish_transfer(pending: PendingTransfer, cache: EngineCache) -> Sequence:
     releases the hold."""
     seq = pending.seq
     if pending.staged is None:
-        cache.manager.drop_held(seq.request_id)
+        cache.manager.transferred.drop(seq.request_id)
         raise RuntimeError(f"request {seq.request_id!r}: its transfer was not fetched")
     return seq

@@ -13,11 +13,11 @@ def test_a_hold_keeps_the_cached_leading_blocks_and_dropping_it_gives_them_back(
     prompt = list(range(3 * BS + 1))
     run(m, "a", prompt)                                  # its full blocks are cached now
     free = m.num_free_blocks
-    assert m.hold_prefix("b", prompt) == 3
+    assert m.transferred.hold("b", prompt) == 3
     assert m.num_free_blocks == free - 3                # referenced: eviction cannot take them
     with pytest.raises(ValueError, match="already held"):
-        m.hold_prefix("b", prompt)
-    m.drop_held("b")
+        m.transferred.hold("b", prompt)
+    m.transferred.drop("b")
     assert m.num_free_blocks == free and not m.transferred.is_held("b")
 
 
@@ -25,7 +25,7 @@ def test_an_admission_takes_the_hold_over_and_counts_the_prompt_as_computed():
     m = make()
     prompt = list(range(2 * BS + 2))
     run(m, "a", prompt)
-    held = m.hold_prefix("b", prompt)
+    held = m.transferred.hold("b", prompt)
     with pytest.raises(ValueError, match="must have 1"):
         m.admit_transferred("b", prompt + [7], len(prompt) + 1)
     adm = m.admit_transferred("b", prompt + [7], len(prompt))
@@ -33,13 +33,13 @@ def test_an_admission_takes_the_hold_over_and_counts_the_prompt_as_computed():
     assert not m.transferred.is_held("b") and m.block_table("b") == adm.block_table
     assert m.stats.transferred_tokens == len(prompt) - held * BS
     with pytest.raises(ValueError, match="already held or admitted"):
-        m.hold_prefix("b", prompt)
+        m.transferred.hold("b", prompt)
 
 
 def test_the_holds_are_the_objects_own_state():
     one, two = make(), make()
     assert isinstance(one.transferred, TransferredPrompts) and not isinstance(one, TransferredPrompts)
-    one.hold_prefix("x", list(range(BS + 1)))
+    one.transferred.hold("x", list(range(BS + 1)))
     assert one.transferred.is_held("x") and not two.transferred.is_held("x")
     assert "_held" not in vars(one)                     # the manager keeps no hold bookkeeping of its own
     assert isinstance(two, CacheManager)
