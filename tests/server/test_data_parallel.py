@@ -34,6 +34,14 @@ def test_cache_aware_routing_prefers_the_longest_prefix_then_the_least_loaded():
     assert router.order(chain(chat))[0] == 0             # 5 blocks beat 2
 
 
+def test_with_no_prefix_held_and_equal_loads_the_replica_chosen_least_recently_goes_first():
+    router = PrefixAffinity(2, capacity_keys=100)
+    first = router.order(chain(list(range(8))))[0]
+    router.sent(first, chain(list(range(8))))
+    assert router.order(chain(list(range(50, 58))))[0] == 1 - first
+    assert router.order(chain(list(range(8)) + [1, 2, 3, 4]))[0] == first        # a held prefix still comes first
+
+
 def test_router_forgets_the_least_recently_sent_blocks_beyond_the_replica_capacity():
     router = PrefixAffinity(2, capacity_keys=3)
     old, new = list(range(12)), list(range(50, 62))
