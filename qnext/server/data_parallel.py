@@ -29,10 +29,9 @@ from qnext.server.engine_errors import EngineStoppedError, QueueFullError
 from qnext.server.engine_loop import AsyncEngine
 from qnext.server.merged_metrics import MergedMetrics
 from qnext.server.metrics import ServerMetrics
-from qnext.server.prefix_affinity import POLICIES, PrefixAffinity
+from qnext.server.prefix_affinity import PrefixAffinity
 from qnext.server.request_stream import RequestStream
 
-ROUTING = POLICIES
 BACKENDS = ("process", "thread")
 
 
