@@ -9,7 +9,8 @@ import functools
 import jax
 import numpy as np
 
-from cache.device_buffers import CacheBuffers, padded_indices, next_pow2, page_index
+from cache.buffer_copies import next_pow2, padded_indices, page_index
+from cache.device_buffers import CacheBuffers
 from cache.forks import ForkCopies
 
 

@@ -83,7 +83,7 @@ class Forks:
             table.append(block)
         return SequenceRecord(prompt_len=n, hashes=list(parent.hashes[:full]), block_table=table, state_row=row,
                               num_cached_tokens=0, chain=chain, ran=True, cacheable=parent.cacheable,
-                              images=parent.images)
+                              images=parent.images, hash_root=parent.hash_root)
 
     def take_copies(self) -> ForkCopies:
         copies, self._copies = self._copies, ForkCopies()

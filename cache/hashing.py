@@ -27,20 +27,22 @@ def with_image_keys(token_hash: bytes, image_keys: bytes) -> bytes:
 
 def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int, num_blocks: int,
                         hash_fn: BlockHashFn = hash_block_tokens,
-                        images: Sequence[ImageSpan] = ()) -> list[bytes]:
+                        images: Sequence[ImageSpan] = (), root: bytes | None = None) -> list[bytes]:
     """Append the chain hashes of full blocks len(hashes)..num_blocks-1 of `token_ids` to `hashes` (in place).
-    images: the prompt's image spans; each block holding image tokens keys on them too."""
+    images: the prompt's image spans; each block holding image tokens keys on them too.
+    root: the first block's parent (None: none), so that every hash of the chain depends on it: a LoRA adapter's
+    weights digest (qnext/lora), so that sequences of different adapters never share a block or a snapshot."""
     if num_blocks * block_size > len(token_ids):
         raise ValueError(f"{num_blocks} blocks of {block_size} tokens need {num_blocks * block_size} tokens; "
                          f"got {len(token_ids)}")
     for i in range(len(hashes), num_blocks):
         lo, hi = i * block_size, (i + 1) * block_size
-        token_hash = hash_fn(hashes[-1] if hashes else None, token_ids[lo:hi])
+        token_hash = hash_fn(hashes[-1] if hashes else root, token_ids[lo:hi])
         hashes.append(with_image_keys(token_hash, block_image_keys(images, lo, hi)) if images else token_hash)
     return hashes
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, hash_fn: BlockHashFn = hash_block_tokens,
-                 images: Sequence[ImageSpan] = ()) -> list[bytes]:
-    """Chain hashes of every full block of `token_ids` (a partial tail block has no hash)."""
-    return extend_block_hashes([], token_ids, block_size, len(token_ids) // block_size, hash_fn, images)
+                 images: Sequence[ImageSpan] = (), root: bytes | None = None) -> list[bytes]:
+    """Chain hashes of every full block of `token_ids` (a partial tail block has no hash); root: as above."""
+    return extend_block_hashes([], token_ids, block_size, len(token_ids) // block_size, hash_fn, images, root)

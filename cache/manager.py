@@ -7,12 +7,14 @@ commit (publish what the step wrote) -> free (finish / abort / preempt). Nothing
 before the commit of the step that wrote it. What is kept and evicted first is the policy's (cache/policy.py).
 With a host tier (config.num_host_blocks / num_host_snapshot_slots; cache/tiers.py) evictions are offloaded and a
 match continues into the host tier; the copies this decides are taken with `take_transfers` before each step.
-The snapshots' lifecycle (cache/snapshot_lifecycle.py), the forks (cache/forks.py) and the holds of prompts computed
-elsewhere (cache/transferred_prompts.py) are objects it holds.
+The snapshots' lifecycle (cache/snapshot_lifecycle.py), the capture rows (cache/capture_rows.py), the forks
+(cache/forks.py) and the holds of prompts computed elsewhere (cache/transferred_prompts.py) are objects it holds;
+cache/siblings.py finds the sequence a prompt waits for.
 """
 from typing import Hashable, Sequence
 
 from cache.block_pool import BlockPool
+from cache.capture_rows import CaptureRows
 from cache.config import CacheConfig
 from cache.forks import ForkCopies, Forks
 from cache.hashing import BlockHashFn, block_hashes, hash_block_tokens
@@ -22,6 +24,7 @@ from cache.mamba_registry import MambaPrefixRegistry
 from cache.records import Admission, SequenceRecord
 from cache.policy import CachePolicy
 from cache.publishing import Publisher
+from cache.siblings import uncomputed_sibling
 from cache.snapshot_lifecycle import SnapshotLifecycle, weak_method
 from cache.stats import CacheStats
 from cache.tiers import HostTier
@@ -49,6 +52,7 @@ class CacheManager:
         self.snapshots = self.lifecycle.pool
         self.publisher = Publisher(config, self.policy, self.blocks, self.tier, self.lifecycle, block_hash_fn)
         self.forks = Forks(config.block_size, self.blocks)
+        self.captures = CaptureRows(config, self.policy, self.lifecycle)
         self._offload_evictions = True  # False while clearing: nothing cleared is kept in any tier
         self._free_slots = list(range(config.num_live_slots, 0, -1))
         self._seqs: dict[Hashable, SequenceRecord] = {}
@@ -101,12 +105,14 @@ class CacheManager:
 
     # ---- admission ------------------------------------------------------------------------------------------------
     def admit(self, seq_id, prompt_token_ids: Sequence[int], num_forks: int = 0,
-              turn_starts: Sequence[int] = (), images: Sequence[ImageSpan] = ()) -> Admission | None:
+              turn_starts: Sequence[int] = (), images: Sequence[ImageSpan] = (),
+              hash_root: bytes | None = None) -> Admission | None:
         """None when no slot or not enough blocks: the cache is then left exactly as it was (retry later).
         num_forks: live rows and blocks reserved for that many `fork`s after the prompt (cache/forks.py).
         turn_starts: where the prompt's chat turns begin (positions of `<|im_start|>`), for the capture policy.
         images: the prompt's image spans: their blocks key on the images (cache/image_keys.py), and a snapshot is
-        planned at the boundary at or before each `<|vision_start|>` (the token before a span)."""
+        planned at the boundary at or before each `<|vision_start|>` (the token before a span).
+        hash_root: the root of its block hash chain (a LoRA adapter's digest: cache/hashing.py)."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already admitted; free it first")
         n = len(prompt_token_ids)
@@ -118,7 +124,7 @@ class CacheManager:
             return None
         bs = self.config.block_size
         images = check_image_spans(images, n)
-        hashes = block_hashes(prompt_token_ids, bs, self.block_hash_fn, images)
+        hashes = block_hashes(prompt_token_ids, bs, self.block_hash_fn, images, hash_root)
         matched: list[int] = []
         on_host: list[HostBlock] = []
         if self.config.enable_prefix_caching:  # the last prompt token is never served from cache
@@ -148,7 +154,7 @@ class CacheManager:
         seq = SequenceRecord(prompt_len=n, hashes=hashes, block_table=chain + fresh[len(loaded):],
                              state_row=state_row, num_cached_tokens=depth * bs, chain=chain, pinned_row=restore_row,
                              kv_matched_tokens=kv_matched * bs, host_tokens=len(loaded) * bs,
-                             restored_hash=restored_hash, restored_origin=restored_origin,
+                             restored_hash=restored_hash, restored_origin=restored_origin, hash_root=hash_root,
                              snapshot_from_host=from_host,
                              restored_in_live_row=from_host and restore_row is None, images=images)
         if restore_row is not None:
@@ -164,7 +170,8 @@ class CacheManager:
         return Admission(depth * bs, seq.block_table, seq.state_row,
                          seq.state_row if seq.restored_in_live_row else restore_row, kv_matched * bs)
 
-    def sibling_prefix(self, prompt_token_ids: Sequence[int], images: Sequence[ImageSpan] = ()) -> tuple | None:
+    def sibling_prefix(self, prompt_token_ids: Sequence[int], images: Sequence[ImageSpan] = (),
+                       hash_root: bytes | None = None) -> tuple | None:
         """(seq_id, tokens) of an admitted sequence that shares more of this prompt than the cache serves now, by at
         least the policy's `sibling_wait_tokens`, and has not computed that shared prefix yet; that sequence now
         also captures a snapshot where the prompts part. A scheduler holds the prompt back while this answers (the
@@ -176,12 +183,9 @@ class CacheManager:
             return None
         bs, n = self.config.block_size, len(prompt_token_ids)
         limit = (n - 1) // bs
-        hashes = block_hashes(prompt_token_ids[:limit * bs], bs, self.block_hash_fn, check_image_spans(images, n))
-        best_id, best = None, 0
-        for seq_id, seq in self._seqs.items():
-            shared = _common_prefix(hashes, seq.hashes[:seq.prompt_len // bs])
-            if seq.cacheable and shared > max(best, len(seq.chain)):
-                best_id, best = seq_id, shared
+        hashes = block_hashes(prompt_token_ids[:limit * bs], bs, self.block_hash_fn, check_image_spans(images, n),
+                              hash_root)
+        best_id, best = uncomputed_sibling(hashes, self._seqs, bs)
         if best_id is None:
             return None
         matched = self.blocks.match(hashes, prompt_token_ids, bs)
@@ -197,47 +201,21 @@ class CacheManager:
         return list(self._seq(seq_id).capture_plan)
 
     def reserve_capture(self, seq_id, position: int) -> int | None:
-        seq = self._seq(seq_id)
-        bs = self.config.block_size
-        if position % bs or not seq.num_cached_tokens < position <= seq.prompt_len:
-            raise ValueError(f"capture position {position} must be a multiple of {bs} in "
-                             f"({seq.num_cached_tokens}, {seq.prompt_len}]")
-        if position in seq.pending_captures:
-            return seq.pending_captures[position]
-        row = self.snapshots.reserve() if self.uses_snapshots else None
-        if row is not None:
-            seq.pending_captures[position] = row
-            self._track_peaks()
+        row = self.captures.reserve(self._seq(seq_id), position)
+        self._track_peaks()
         return row
 
     def decode_capture_row(self, seq_id, position: int) -> int | None:
-        """The row that holds (or is about to hold) the state after `position` decoded tokens: the tracking row,
-        or a row of its own under a policy that keeps every decode snapshot. None: no capture here."""
-        seq = self._seq(seq_id)
-        if position % self.config.block_size or position <= 0:
-            raise ValueError(f"decode capture position {position} must be a positive multiple of "
-                             f"{self.config.block_size}")
-        if not self.policy.tracks_decode_boundary(position):
-            return None
-        if self.policy.keep_every_decode_snapshot:
-            row = self.snapshots.reserve() if self.uses_snapshots else None
-            if row is not None:
-                seq.pending_captures[position] = row
-            return row
-        if self.decode_tracking_row(seq_id) is not None:
-            seq.decode_position = position
-        return seq.decode_row
+        """The row that holds (or is about to hold) the state after `position` decoded tokens (CaptureRows)."""
+        row = self.captures.decode_row(self._seq(seq_id), position)
+        self._track_peaks()
+        return row
 
     def decode_tracking_row(self, seq_id) -> int | None:
-        """The row a decoding sequence's block-boundary states go to (reserved on first use), without moving its
-        recorded position: a multi-step call writes it only in the step that reaches a boundary, which the host
-        learns afterwards, and then records with `decode_capture_row`. The row is held for the sequence's life, so
-        reserving it never evicts a snapshot that earned protection (None: no tracking, try again later)."""
-        seq = self._seq(seq_id)
-        if seq.decode_row is None and self.uses_snapshots:
-            seq.decode_row = self.snapshots.reserve(may_evict_protected=False)
-            self._track_peaks()
-        return seq.decode_row
+        """The row a decoding sequence's block-boundary states go to, its position not moved (CaptureRows)."""
+        row = self.captures.tracking_row(self._seq(seq_id))
+        self._track_peaks()
+        return row
 
     def append_slots(self, seq_id, num_tokens: int) -> bool:
         """Blocks for the first num_tokens tokens; False (and nothing evicted or changed) if they cannot be had."""
@@ -333,7 +311,7 @@ class CacheManager:
 
     def take_transfers(self) -> TransferPlan:
         """The copies between tiers decided since the last call, in order (cache/transfers.py); the scheduler runs
-        them (cache/device_buffers.py) before it lends the buffers to the next step."""
+        them (cache/host_tier_buffers.py) before it lends the buffers to the next step."""
         return self.tier.take_transfers()
 
     # ---- internals ------------------------------------------------------------------------------------------------
@@ -357,7 +335,3 @@ class CacheManager:
         self.stats.track_peaks(self.blocks.num_used, self.config.num_live_slots - len(self._free_slots),
                                self.snapshots.num_in_use)
 
-
-def _common_prefix(a: Sequence[bytes], b: Sequence[bytes]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)

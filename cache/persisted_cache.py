@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from cache.cache_index import DEVICE, CacheIndex, export_index, import_index, index_arrays, index_from_arrays
-from cache.device_buffers import HostTierBuffers, gather_device_blocks, gather_device_rows
+from cache.buffer_copies import gather_device_blocks, gather_device_rows
+from cache.host_tier_buffers import HostTierBuffers
 from cache.manager import CacheManager
 from cache.persistence import ArraySpec, read_cache_file, write_cache_file
 

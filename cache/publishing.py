@@ -36,7 +36,7 @@ class Publisher:
             return
         bs = self.config.block_size
         full = num_tokens // bs
-        extend_block_hashes(seq.hashes, token_ids, bs, full, self.block_hash_fn, seq.images)
+        extend_block_hashes(seq.hashes, token_ids, bs, full, self.block_hash_fn, seq.images, seq.hash_root)
         for i in range(len(seq.chain), full):
             block_hash, own, tokens = seq.hashes[i], seq.block_table[i], token_ids[i * bs:(i + 1) * bs]
             parent = seq.chain[-1] if seq.chain else None

@@ -41,3 +41,4 @@ class SequenceRecord:
     fork_rows: list[int] = field(default_factory=list)     # live rows reserved for forks not yet made (cache/forks.py)
     fork_blocks: list[int] = field(default_factory=list)   # blocks reserved for their copies of the partial last block
     images: tuple[ImageSpan, ...] = ()       # the prompt's image spans: blocks holding them key on them too
+    hash_root: bytes | None = None           # the chain's root (its LoRA adapter's digest; cache/hashing.py)

@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field
 @dataclass
 class TierStats:
     """The host tier (cache/tiers.py): what moved between the tiers, what the host tier served, what it dropped.
-    Bytes and seconds are counted where the copies run (cache/device_buffers.py)."""
+    Bytes and seconds are counted where the copies run (cache/host_tier_buffers.py)."""
     host_hits: int = 0                  # admissions that loaded KV blocks or a snapshot back from the host tier
     host_hit_tokens: int = 0            # tokens whose KV was loaded back from the host tier
     device_hit_tokens: int = 0          # tokens whose KV was already on the device

@@ -2,7 +2,7 @@
 
 The cache manager queues them as it decides (an eviction offloads a KV block or a snapshot row to a host slot; an
 admission loads host blocks into fresh device blocks and a host snapshot into the sequence's live row); the
-scheduler takes them all before it lends the buffers to the next step, and cache/device_buffers.py runs them.
+scheduler takes them all before it lends the buffers to the next step, and cache/host_tier_buffers.py runs them.
 
 Order contract. The queue keeps the order of decisions in *phases*; a phase runs its saves (device -> host) first,
 then its loads (host -> device), each kind as one batched copy. That order is right for every pair of decisions

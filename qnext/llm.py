@@ -8,6 +8,7 @@ from typing import Any, Iterator, Sequence
 from qnext.chat_pictures import take_pictures
 from qnext.engine.llm_engine import LLMEngine, Prompt
 from qnext.engine.visual_intake import visual_prompt
+from qnext.lora.registry import LoRARequest
 from qnext.outputs import RequestOutput
 from qnext.sampling_params import SamplingParams
 
@@ -91,13 +92,18 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
-                 | None = None) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs come back in the order of the prompts."""
+                 | None = None, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in the order of the prompts. lora_request: the
+        adapter of every prompt, or a list with one per prompt (None: the base model); engine option enable_lora."""
         single = isinstance(prompts, (str, dict))
         prompts = [prompts] if single else list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
         encoded = [self._encode(prompt, p) for prompt, p in zip(prompts, params)]   # all valid before queuing
-        ids = [self._add(prompt, p) for prompt, p in zip(encoded, params)]
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts; give one per prompt")
+        ids = [self._add(prompt, p, lora) for prompt, p, lora in zip(encoded, params, loras)]
         finished = self._run(ids)
         return [finished[i] for i in ids]
 
@@ -157,9 +163,9 @@ class LLM:
         self.engine.validate(token_ids, params)
         return {"prompt": text, "prompt_token_ids": token_ids}
 
-    def _add(self, prompt: Prompt, params: SamplingParams) -> str:
+    def _add(self, prompt: Prompt, params: SamplingParams, lora_request: LoRARequest | None = None) -> str:
         request_id = str(next(self._ids))
-        self.engine.add_request(request_id, prompt, params)
+        self.engine.add_request(request_id, prompt, params, lora_request)
         return request_id
 
     def _run(self, ids: list[str]) -> dict[str, RequestOutput]:

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # package -> the packages of ours it must not import
 FRONT_ENDS = ("qnext.server", "qnext.soak", "qnext.llm", "qnext.flax", "qnext.bench")
 FORBIDDEN = {
-    "qnext/model": ("qnext.engine", "qnext.distributed", *FRONT_ENDS),
+    "qnext/model": ("qnext.engine", "qnext.lora", "qnext.distributed", *FRONT_ENDS),
     "qnext/vision": ("qnext.model", "qnext.engine", "qnext.distributed", *FRONT_ENDS),
     "qnext/distributed": ("qnext.engine", "qnext.server", "qnext.soak", "qnext.llm", "qnext.flax"),
     "qnext/structured": ("qnext.model", "qnext.vision", "qnext.engine", "qnext.distributed", *FRONT_ENDS),
@@ -26,6 +26,8 @@ FORBIDDEN = {
     "qnext/ops": ("qnext.config", "qnext.model", "qnext.vision", "qnext.structured", "qnext.agents",
                   "qnext.engine", "qnext.distributed", *FRONT_ENDS),
     "qnext/engine": ("qnext.distributed", *FRONT_ENDS),
+    # LoRA adapters sit over model/ (they read its plan and wrap its weights) and under engine/, which holds them
+    "qnext/lora": ("qnext.engine", "qnext.distributed", "qnext.vision", *FRONT_ENDS),
     "qnext/testing": ("qnext.server", "qnext.engine", "qnext.llm"),
     "cache": ("qnext",),
     "pallas_kernels": ("qnext", "cache"),

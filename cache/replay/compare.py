@@ -12,12 +12,15 @@ from cache.config import CacheConfig
 from cache.hashing import block_hashes
 from cache.manager import CacheManager
 from cache.policy import CachePolicy
+from cache.replay.belady import belady_reuse, cache_memory, trace_facts
 from cache.replay.loop import replay
+from cache.replay.reuse_bound import reuse_bound
 from cache.replay.peers import DisableAllPolicy, OraclePolicy, SeedPolicy, SGLangPolicy
 from cache.replay.workloads import Request
 from cache.sizing import DEFAULT_SNAPSHOT_MEMORY_FRACTION, plan_cache
 
-POLICIES = ("kv-only", "disable-all", "seed", "sglang", "qnext", "oracle")
+POLICIES = ("kv-only", "disable-all", "seed", "sglang", "qnext", "oracle", "belady", "bound")
+CLAIRVOYANT = ("oracle", "belady", "bound")   # know the trace in advance: not online policies
 PEER_POLICIES = {"disable-all": DisableAllPolicy, "seed": SeedPolicy, "sglang": SGLangPolicy, "oracle": OraclePolicy}
 
 
@@ -69,23 +72,37 @@ def build_manager(policy: str, budget: int, settings: ReplaySettings, requests: 
 def compare(workloads: dict[str, list[Request]], budgets: list[int], policies=POLICIES,
             settings: ReplaySettings = ReplaySettings()) -> dict:
     """Replay every workload under every policy and budget: {"workloads": {name: {"budgets": {budget: {policy:
-    replay result}}}}}. The oracle runs one request at a time with unbounded memory, once per workload."""
+    replay result}}}}}. The oracle runs one request at a time with unbounded memory, once per workload; belady (a
+    clairvoyant schedule) and bound (an upper bound on any schedule) one at a time in qnext's memory less its live
+    rows (cache/replay/belady.py, reuse_bound.py)."""
     results = {"budgets": list(budgets), "policies": list(policies), "workloads": {}}
     for name, requests in workloads.items():
         oracle = None
         if "oracle" in policies:
             oracle = replay(build_manager("oracle", 0, settings, requests), requests, 1, settings.chunk)
+        facts = trace_facts(requests, settings.block_size) if {"belady", "bound"} & set(policies) else None
         per_budget = {}
         for budget in budgets:
-            per_budget[str(budget)] = {
+            row = per_budget[str(budget)] = {
                 policy: oracle if policy == "oracle" else
                 replay(build_manager(policy, budget, settings, requests), requests, settings.in_flight, settings.chunk)
-                for policy in policies}
+                for policy in policies if policy not in ("belady", "bound")}
+            if facts is not None:
+                row.update(clairvoyant(facts, budget, settings))
+            per_budget[str(budget)] = {p: row[p] for p in policies}
         results["workloads"][name] = {"num_requests": len(requests),
                                       "prompt_tokens": sum(len(q.prompt_token_ids) for q in requests),
                                       "oracle_working_set": oracle_working_set(requests, settings),
                                       "budgets": per_budget}
     return results
+
+
+def clairvoyant(facts, budget: int, settings: ReplaySettings) -> dict:
+    """{"belady": its replay, "bound": the upper bound} at `budget` (cache/replay/belady.py, reuse_bound.py)."""
+    bs, row = settings.block_size, settings.state_kv_tokens
+    memory = cache_memory(budget, settings.in_flight, row, bs)
+    belady = belady_reuse(facts, memory, bs, row)
+    return {"belady": belady, "bound": reuse_bound(facts, memory, bs, row, lower=belady["reused_tokens"])}
 
 
 def oracle_working_set(requests: list[Request], settings: ReplaySettings = ReplaySettings()) -> int:
@@ -132,13 +149,13 @@ def snapshot_share_sweep(workloads: dict[str, list[Request]], budgets: list[int]
 
 
 def ordering_violations(results: dict) -> list[str]:
-    """Places where qnext reuses fewer tokens than a non-oracle policy."""
+    """Places where qnext reuses fewer tokens than an online policy."""
     bad = []
     for name, w in results["workloads"].items():
         for budget, row in w["budgets"].items():
             best = row.get("qnext", {}).get("reused_tokens")
             for policy, r in row.items():
-                if best is not None and policy not in ("qnext", "oracle") and r["reused_tokens"] > best:
+                if best is not None and policy != "qnext" and policy not in CLAIRVOYANT and r["reused_tokens"] > best:
                     bad.append(f"{name} @ {budget}: {policy} reused {r['reused_tokens']} > qnext {best}")
     return bad
 

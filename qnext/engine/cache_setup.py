@@ -27,8 +27,8 @@ import logging
 import jax
 
 from cache import CacheConfig
-from cache.device_buffers import CacheBuffers, CacheLayout, HostTierBuffers, allocate_cache_buffers
-from cache.device_buffers import allocate_host_buffers, num_state_rows
+from cache.device_buffers import CacheBuffers, CacheLayout, allocate_cache_buffers, num_state_rows
+from cache.host_tier_buffers import HostTierBuffers, allocate_host_buffers
 from cache.fingerprint import arrays_digest, cache_fingerprint
 from cache.sizing import GIB, CacheSizes, plan_cache
 from qnext.config import ModelConfig

@@ -6,11 +6,14 @@ import os
 
 from cache.cache_dtypes import kv_storage_dtype, snapshot_storage_dtype
 from qnext.config import ModelConfig
+from qnext.engine.host_draft_options import HOST_DRAFT_METHODS, NGRAM_KEYS, SUFFIX_KEYS, HostDraftOptions, \
+    host_draft_options
 from qnext.model.rope import position_limit, position_limit_error
 
 
 SPECULATIVE_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")   # vLLM's names for the same head
-SPECULATIVE_KEYS = {"method", "num_speculative_tokens", "disable_by_batch_size", "speculative_token_map"}
+SPECULATIVE_KEYS = {"method", "num_speculative_tokens", "disable_by_batch_size", "speculative_token_map",
+                    *SUFFIX_KEYS, *NGRAM_KEYS}
 MAX_SPECULATIVE_TOKENS = 7             # a verify window of k + 1 tokens stays within one 8-row group
 
 
@@ -49,6 +52,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"              # vLLM's: "fp8" stores attention KV as e4m3 (cache/cache_dtypes.py)
     kv_cache_scale: float = 1.0               # fp8 KV: stored = value / scale (vLLM's default 1.0 for hybrids)
     mamba_ssm_cache_dtype: str = "auto"       # vLLM's: stored snapshots' recurrent state ("bfloat16"; auto: float32)
+    enable_lora: bool = False                 # vLLM's: serve LoRA adapters (LoRARequest; docs/lora.md)
+    max_loras: int = 1                        # vLLM's: adapters on device at once (one step mixes any of them)
+    max_lora_rank: int = 16                   # vLLM's: the largest adapter rank accepted
     fp8_weights: str = "auto"                 # an FP8 checkpoint's weights: "keep" (e4m3 + block scales on the
                                               # device), "dequantize" (widened at load); auto: keep on GPU (docs/fp8.md)
 
@@ -96,6 +102,14 @@ class EngineConfig:
             if self.num_scheduler_steps > 1:
                 raise ValueError("speculative decoding already runs several tokens per call: use "
                                  "num_scheduler_steps=1 with speculative_config")
+        if self.enable_lora:
+            for name in ("max_loras", "max_lora_rank"):
+                if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                    raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+            for name, plain in (("tensor_parallel_size", 1), ("num_scheduler_steps", 1), ("speculative_config", None)):
+                if getattr(self, name) != plain:
+                    raise ValueError(f"enable_lora does not yet combine with {name}={getattr(self, name)!r}; "
+                                     f"use {name}={plain!r} with LoRA")
         for name in ("prefix_cache_dir", "compilation_cache_dir"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):
@@ -114,10 +128,14 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; it takes "
                              f"{', '.join(map(repr, sorted(SPECULATIVE_KEYS)))}")
-        if spec.get("method", "mtp") not in SPECULATIVE_METHODS:
+        if spec.get("method", "mtp") not in SPECULATIVE_METHODS + HOST_DRAFT_METHODS:
             raise ValueError(f"speculative_config method {spec.get('method')!r} is not supported; qnext drafts with "
-                             f"the checkpoint's MTP head: one of {SPECULATIVE_METHODS}")
-        k = spec.get("num_speculative_tokens")
+                             f"the checkpoint's MTP head ({', '.join(SPECULATIVE_METHODS)}) or from the text "
+                             f"({', '.join(HOST_DRAFT_METHODS)})")
+        if spec.get("method") in HOST_DRAFT_METHODS:
+            host_draft_options(spec)
+        # suffix decoding chooses how many it drafts; num_speculative_tokens bounds it (default: the most)
+        k = spec.get("num_speculative_tokens", MAX_SPECULATIVE_TOKENS if spec.get("method") == "suffix" else None)
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config num_speculative_tokens must be an integer in "
                              f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
@@ -152,9 +170,21 @@ class EngineConfig:
         return max_rows is not None and num_rows > max_rows
 
     @property
+    def uses_mtp_head(self) -> bool:
+        """Whether speculative_config drafts with the checkpoint's MTP head (else: none, or drafts from the text)."""
+        return bool(self.num_speculative_tokens) and self.speculative_config.get("method", "mtp") in SPECULATIVE_METHODS
+
+    @property
+    def host_drafting(self) -> HostDraftOptions | None:
+        """The options of suffix / ngram drafting (host_draft_options.py), None for MTP or no speculation."""
+        if not self.num_speculative_tokens or self.uses_mtp_head:
+            return None
+        return host_draft_options(self.speculative_config)
+
+    @property
     def num_mtp_kv_layers(self) -> int:
         """KV layers the cache holds beyond the model's: the MTP head's one attention layer when it drafts."""
-        return 1 if self.speculative_config is not None else 0
+        return 1 if self.uses_mtp_head else 0
 
     def resolved_prefill_chunk(self, backend: str) -> int:
         """The option, or by backend: 32 on CPU (XLA:CPU runs the chunked delta rule's small per-chunk matmuls

@@ -21,6 +21,8 @@ from qnext.model.step_inputs import StepInputs
 
 
 class Drafter:
+    uses_hidden_states = True             # the runner's plain step returns the target's hidden states for the head
+
     def __init__(self, cfg: ModelConfig, mtp, config: EngineConfig):
         """mtp: the head's params (qnext/model/mtp.py), on the device in the engine's dtype."""
         token_map = config.speculative_token_map
@@ -82,6 +84,9 @@ class Drafter:
     def propose(self, plan: StepPlan, result: StepResult) -> dict[str, list[int]]:
         """The drafts each row holds for its next step ({request_id: k ids}): the head's (result.drafts)."""
         return result.drafts
+
+    def free(self, request_id: str) -> None:
+        """The request ended (the head keeps nothing per request on the host)."""
 
     def warm_up(self, params, bucket: Bucket, inputs: StepInputs, hidden, buffers: CacheBuffers) -> CacheBuffers:
         """Compiles the catch-up after a plain step of `bucket` (inputs, hidden: that step's), on idle inputs that

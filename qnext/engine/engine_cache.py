@@ -10,7 +10,9 @@ import logging
 from pathlib import Path
 
 from cache import CacheManager
-from cache.device_buffers import CacheBuffers, HostTierBuffers, write_blocks_and_rows
+from cache.buffer_copies import write_blocks_and_rows
+from cache.device_buffers import CacheBuffers
+from cache.host_tier_buffers import HostTierBuffers
 from cache.fork_copies import apply_fork_copies
 from cache.persisted_cache import load_prefix_cache, save_prefix_cache
 from qnext.engine.cache_setup import CacheSetup

@@ -24,6 +24,7 @@ from qnext.engine.cache_setup import cache_sizes, make_cache
 from qnext.engine.compilation_cache import enable_compilation_cache
 from qnext.engine.config import EngineConfig
 from qnext.engine.drafter import Drafter
+from qnext.engine.suffix_drafter import SuffixDrafter
 from qnext.engine.engine_cache import EngineCache
 from qnext.engine.intake import Prompt, RequestIntake
 from qnext.engine.model_source import load_model_source, running_config
@@ -35,6 +36,8 @@ from qnext.engine.sequence import Sequence
 from qnext.engine.stats import EngineStats
 from qnext.engine.visual_encoder import VisionSetup, VisualEncoder
 from qnext.engine.weights_identity import WeightsIdentity
+from qnext.lora.adapter_stacks import AdapterStacks
+from qnext.lora.registry import AdapterRegistry, LoRARequest
 from qnext.model.buckets import BucketTable
 from qnext.model.placement import WeightUpdate, place_mtp_params, place_params
 from qnext.model.tensor_parallel import make_mesh, parallel_config
@@ -70,7 +73,7 @@ class LLMEngine(ServedEngine):
         drafter = options.pop("drafter", Drafter)
         config = EngineConfig(**options)
         engine.compilation_cache_dir = enable_compilation_cache(config.compilation_cache_dir)  # before any compile
-        if config.num_speculative_tokens and mtp is None:
+        if config.uses_mtp_head and mtp is None:
             raise ValueError("speculative_config needs the MTP head's params: pass mtp_params= (qnext/model/mtp.py)")
         cfg = parallel_config(cfg, config.tensor_parallel_size, config.enable_expert_parallel,
                               config.attention_tensor_parallel)
@@ -119,8 +122,12 @@ class LLMEngine(ServedEngine):
         self.stats = EngineStats()
         self.vision = vision                 # the checkpoint's tower (None: text only; docs/vision.md)
         self.visual_encoder = VisualEncoder(vision, config.encoder_cache_bytes, self.stats) if vision else None
+        self.lora = AdapterRegistry(AdapterStacks(cfg, params["embed"].dtype, config.max_loras,
+                                                  config.max_lora_rank)) if config.enable_lora else None
         self.runner = ModelRunner(cfg, params, config, buckets, self.stats,
-                                  None if mtp is None else drafter(cfg, mtp, config), self.visual_encoder)
+                                  SuffixDrafter(cfg, config) if config.host_drafting else
+                                  None if mtp is None else drafter(cfg, mtp, config), self.visual_encoder,
+                                  self.lora.stacks if self.lora is not None else None)
         self._weight_update = WeightUpdate(cfg, config.dtype, config.tensor_parallel_size)
         self.cache_sizes = cache_sizes(cfg, config, self.max_model_len, self.runner.activation_bytes)
         persisted = config.prefix_cache_dir is not None and config.enable_prefix_caching
@@ -168,9 +175,19 @@ class LLMEngine(ServedEngine):
         the rest of it."""
         return self.intake.grammar_compiler()
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        """lora_request: the adapter the request runs with (engine option enable_lora; docs/lora.md)."""
         self._check_new(request_id)
-        self._admit(self.intake.samples(request_id, prompt, params or SamplingParams())[0])
+        samples = self.intake.samples(request_id, prompt, params or SamplingParams())
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(f"request {request_id!r} names LoRA adapter {lora_request.lora_name!r}, but the "
+                                 "engine was started without enable_lora=True")
+            active = self.lora.acquire(lora_request, len(samples))
+            for sample in samples:
+                sample.lora = active
+        self._admit(samples[0])
 
     def _check_new(self, request_id: str) -> None:
         if self._closed:
@@ -197,8 +214,13 @@ class LLMEngine(ServedEngine):
         for sample in samples:
             if not sample.is_finished:
                 self.scheduler.abort(sample)
-                self.runner.free(sample.request_id)
+                self._free(sample)
         return request_output(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        self.runner.free(seq.request_id)
+        if seq.lora is not None:
+            self.lora.release(seq.lora)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
@@ -286,7 +308,7 @@ class LLMEngine(ServedEngine):
         self.pd.export_prefilled()
         for seq in updated:
             if seq.is_finished:
-                self.runner.free(seq.request_id)
+                self._free(seq)
         outputs = [request_output(seq) for seq in dict.fromkeys(seq.first for seq in updated)]
         t3 = time.perf_counter()
         self.stats.record_step(plan.items, generated, t0, t1, t2, t3)

@@ -22,7 +22,8 @@ from typing import Protocol
 
 import numpy as np
 
-from cache.device_buffers import CacheBuffers, gather_device_blocks, gather_live_rows
+from cache.buffer_copies import gather_device_blocks, gather_live_rows
+from cache.device_buffers import CacheBuffers
 from qnext.config import ModelConfig
 from qnext.engine.sampled_token import SampledToken
 from qnext.model.canonical_cache import conv_from_canonical, conv_to_canonical, kv_from_canonical, kv_to_canonical

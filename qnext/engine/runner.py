@@ -25,6 +25,7 @@ from qnext.engine.window import WindowInputs, window_inputs
 from qnext.model.argmax import first_argmax
 from qnext.model.buckets import BucketTable
 from qnext.model.forward import forward, forward_with_hidden
+from qnext.lora.adapter_stacks import AdapterStacks
 from qnext.model.step_inputs import Segment, build_step_inputs
 from qnext.model.tensor_parallel import local_config, shard_step, sharded_model_config
 from qnext.sampling_params import SamplingParams
@@ -93,9 +94,12 @@ def _num_sampler_rows(plan: StepPlan, num_drawing: int) -> int:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, config: EngineConfig, buckets: BucketTable, stats: EngineStats,
-                 drafter: Drafter | None = None, visual_encoder=None):
-        """drafter: the MTP head's (drafter.py) when the engine speculates. visual_encoder: the vision tower's
-        (visual_encoder.py) when the checkpoint has one; steps with pictures get its outputs and MRoPE positions."""
+                 drafter: Drafter | None = None, visual_encoder=None, lora: AdapterStacks | None = None):
+        """drafter: the MTP head's (drafter.py) or the host's (suffix_drafter.py) when the engine speculates.
+        visual_encoder: the vision tower's (visual_encoder.py) when the checkpoint has one; steps with pictures get
+        its outputs and MRoPE positions. lora: the LoRA adapters on device (engine option enable_lora); each token
+        uses its segment's slot."""
+        self.lora = lora
         self.cfg = cfg
         self.params = params
         self.config = config
@@ -103,7 +107,8 @@ class ModelRunner:
         self.stats = stats
         self.drafter = drafter
         self.visual_encoder = visual_encoder
-        self._step = make_engine_step(cfg, config.tensor_parallel_size, with_hidden=drafter is not None)
+        self._hidden = drafter is not None and drafter.uses_hidden_states      # MTP: the head reads them
+        self._step = make_engine_step(cfg, config.tensor_parallel_size, with_hidden=self._hidden)
         # several tokens a row in one call: the drafter's speculative step, or num_scheduler_steps decode steps
         self._window = drafter if drafter is not None else \
             MultiStep(cfg, config) if config.num_scheduler_steps > 1 else None
@@ -111,22 +116,23 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         result = self._execute_single(plan) if plan.multi is None else self._execute_window(plan)
-        if self.drafter is not None and result.drafts:
+        if self.drafter is not None:
             result.drafts = self.drafter.propose(plan, result)
         return result
 
     def _execute_single(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
         inputs = build_step_inputs([it.segment for it in plan.items], plan.bucket.sizes,
-                                   block_size=self.config.block_size, chunk=plan.bucket.chunk)
+                                   block_size=self.config.block_size, chunk=plan.bucket.chunk,
+                                   with_lora=self.lora is not None)
         if self.visual_encoder is not None:
             inputs = self.visual_encoder.attach(plan.items, inputs)
         t1 = time.perf_counter()
         hidden = None
-        if self.drafter is not None:
-            logits, greedy, hidden, buffers = self._step(self.params, plan.buffers, inputs)
+        if self._hidden:
+            logits, greedy, hidden, buffers = self._step(self._step_params(), plan.buffers, inputs)
         else:
-            logits, greedy, buffers = self._step(self.params, plan.buffers, inputs)
+            logits, greedy, buffers = self._step(self._step_params(), plan.buffers, inputs)
         bitmask = self._token_bitmask(plan)          # on the host while the device runs the step
         jax.block_until_ready(logits)
         t2 = time.perf_counter()
@@ -203,8 +209,14 @@ class ModelRunner:
         result = jax.device_get(_sample_rows(logits, index, tensors, num_logprobs=num_logprobs))
         return {it.seq.request_id: SampledToken.from_output(result, j) for j, (_, it) in enumerate(sampling)}
 
+    def _step_params(self):
+        """The weights the step runs: with LoRA, the adaptable leaves wrapped with the adapter stacks."""
+        return self.params if self.lora is None else self.lora.attach(self.params)
+
     def free(self, request_id: str) -> None:
         self.sampler_inputs.free(request_id)
+        if self.drafter is not None:
+            self.drafter.free(request_id)
 
     def activation_bytes(self) -> int:
         """Device bytes the largest step shape needs beyond its arguments (XLA's memory analysis of the compiled
@@ -220,7 +232,8 @@ class ModelRunner:
         bucket = max(self.buckets.all, key=lambda b: b.sizes.num_tokens)
         s = bucket.sizes
         segments = [Segment([0] * 2, 0, [0], -1, 0)] if s.num_chunks else [Segment([0], 0, [0], -1, 0)] * 2
-        inputs = build_step_inputs(segments, s, block_size=self.config.block_size, chunk=bucket.chunk)
+        inputs = build_step_inputs(segments, s, block_size=self.config.block_size, chunk=bucket.chunk,
+                                   with_lora=self.lora is not None)
         layout = cache_layout(sharded_model_config(self.cfg, self.config.tensor_parallel_size),
                               self.params["embed"].dtype, 0, self.config.kv_cache_dtype,
                               self.config.mamba_ssm_cache_dtype)
@@ -274,12 +287,13 @@ class ModelRunner:
             segments = [Segment([0], 0, [0], -1, 0) for _ in range(decode)]
             if s.num_chunks:
                 segments.append(Segment([0] * 2, 0, [0], -1, 0))
-            inputs = build_step_inputs(segments, s, block_size=self.config.block_size, chunk=bucket.chunk)
-            if self.drafter is not None:
-                logits, _, hidden, buffers = self._step(self.params, buffers, inputs)
+            inputs = build_step_inputs(segments, s, block_size=self.config.block_size, chunk=bucket.chunk,
+                                       with_lora=self.lora is not None)
+            if self._hidden:
+                logits, _, hidden, buffers = self._step(self._step_params(), buffers, inputs)
                 buffers = self.drafter.warm_up(self.params, bucket, inputs, hidden, buffers)
             else:
-                logits, _, buffers = self._step(self.params, buffers, inputs)
+                logits, _, buffers = self._step(self._step_params(), buffers, inputs)
             if self._window is not None and bucket.is_decode:     # decode buckets also run windows
                 buffers = self._warm_up_window(bucket, buffers)
             for params in _WARM_UP_SAMPLING if s.num_logits not in sampler_rows else ():   # most requests' variants

@@ -68,7 +68,7 @@ class Scheduler:
         c, eos, vocab = self.config, self.eos_token_ids, self.vocab_size
         speculative = speculative_ok(work, c, eos, vocab)
         if speculative or multi_step_ok(work, c, eos, vocab):
-            window = c.num_speculative_tokens + 1 if speculative else None
+            window = [1 + len(w.seq.draft_token_ids) for w in work] if speculative else None
             multi = window_plan(work, self.cache, c, eos, self.max_model_len, window)
         else:
             multi = None
@@ -79,11 +79,14 @@ class Scheduler:
             captures = {p: rows.get((w.seq.request_id, p), 0) for p in w.captures}
             segment = Segment(token_ids=w.seq.token_slice(w.start, w.end), start=w.start,
                               block_table=list(self.cache.block_table(w.seq.request_id)), read_row=read_row,
-                              write_row=write_row, captures=captures)
+                              write_row=write_row, captures=captures,
+                              lora_slot=w.seq.lora.slot if w.seq.lora is not None else 0)
             samples = w.end == w.seq.num_tokens
             items.append(ScheduledSequence(w.seq, segment, samples, list(w.seq.pending_forks) if samples else []))
         bucket = self.buckets.bucket_for([it.segment for it in items])
-        drafts = [list(w.seq.draft_token_ids) for w in work] if speculative else None
+        k = c.num_speculative_tokens            # rows drafting fewer (suffix, ngram) pad; window.steps bounds them
+        drafts = [list(w.seq.draft_token_ids) + [0] * (k - len(w.seq.draft_token_ids)) for w in work] \
+            if speculative else None
         return StepPlan(items, bucket, self.engine_cache.lend_buffers(), multi, speculative, drafts)
 
     def _pick(self) -> list[Work]:
@@ -124,7 +127,8 @@ class Scheduler:
                 budget -= 1
                 continue
             admission = self.cache.admit(seq.request_id, seq.token_ids, num_forks=forks, turn_starts=seq.turn_starts,
-                                         images=seq.visuals.spans if seq.visuals is not None else ())
+                                         images=seq.visuals.spans if seq.visuals is not None else (),
+                                         hash_root=seq.lora.hash_root if seq.lora is not None else None)
             if admission is None:
                 break
             w = self._work(seq, admission.num_cached_tokens, budget)
@@ -153,7 +157,8 @@ class Scheduler:
     def _sibling(self, seq: Sequence):
         if computed_elsewhere(seq) is not None:
             return None
-        return self.cache.sibling_prefix(seq.token_ids, seq.visuals.spans if seq.visuals is not None else ())
+        return self.cache.sibling_prefix(seq.token_ids, seq.visuals.spans if seq.visuals is not None else (),
+                                         seq.lora.hash_root if seq.lora is not None else None)
 
     def _admit_computed(self, seq: Sequence, arrived: SequenceFeature, budget: int, layout,
                         work: list[Work]) -> bool:

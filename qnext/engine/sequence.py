@@ -19,6 +19,7 @@ from qnext.tokenizer import IncrementalDetokenizer
 from qnext.engine.sequence_features import SequenceFeature
 
 if TYPE_CHECKING:
+    from qnext.lora.registry import ActiveAdapter
     from qnext.engine.visual_request import SequenceVisuals
 
 
@@ -52,6 +53,7 @@ class Sequence:
     structured: StructuredState | None = None   # the grammar's matcher when params.structured_outputs is set
     thinking: ThinkingBudget | None = None      # when params.thinking_token_budget is set
     turn_starts: tuple[int, ...] = ()           # positions of the prompt's last chat-turn starts (`<|im_start|>`)
+    lora: "ActiveAdapter | None" = None         # its LoRA adapter's device slot and cache key (qnext/lora)
     visuals: "SequenceVisuals | None" = None   # its images / videos (engine/visual_request.py); None: text only
     # Parallel sampling (n > 1): every sample of a request is a Sequence; `group` (shared by all of them) lists
     # them by index, sample 0 first. Sample 0 is admitted and prefills the prompt; the others wait in its

@@ -44,27 +44,35 @@ def multi_step_ok(work: list[Work], config: EngineConfig, eos_token_ids: Seq[int
 
 
 def speculative_ok(work: list[Work], config: EngineConfig, eos_token_ids: Seq[int], vocab_size: int) -> bool:
-    """An MTP speculative step runs when every item decodes, holds its k drafts, and could run multi-step (its next
-    tokens depend only on its logits and position) or differs only by penalties (applied per window position) or
-    logprobs (the verify pass reports them per window position), and the step has no more rows than
-    speculative_config's disable_by_batch_size."""
+    """A speculative step runs when every item decodes, holds its drafts (MTP: k of them; suffix / ngram: 0 to k, and
+    the step at least as many drafts as rows, so that a window over rows with few drafts pays for itself), and could
+    run multi-step (its next tokens depend only on its logits and position) or differs only by penalties (applied
+    per window position) or logprobs (the verify pass reports them per window position), and the step has no more
+    rows than speculative_config's disable_by_batch_size."""
     k = config.num_speculative_tokens
     if not k or config.speculation_disabled_at(len(work)):
         return False
-    return all(len(w.seq.draft_token_ids) == k and not w.seq.pending_forks and w.decodes
+    counts = [len(w.seq.draft_token_ids) for w in work]
+    if config.uses_mtp_head:
+        if any(n != k for n in counts):
+            return False
+    elif sum(counts) < len(work) or max(counts) > k:
+        return False
+    return all(not w.seq.pending_forks and w.decodes
                and stateless(w.seq.params, len(w.seq.output_token_ids), eos_token_ids, vocab_size,
                              penalties_ok=True, logprobs_ok=True)
                for w in work)
 
 
 def window_plan(work: list[Work], cache: CacheManager, config: EngineConfig, eos_token_ids: Seq[int],
-                max_model_len: int, window: int | None = None) -> MultiStepPlan:
-    """Each row runs at most `window` tokens (num_scheduler_steps; a speculative step's k + 1), what its max_tokens
-    and max_model_len leave and what its KV blocks hold (extended here when the cache has blocks free, never by
-    preempting); block boundaries inside its window capture into its decode tracking row."""
-    k_max, bs = window or config.num_scheduler_steps, config.block_size
+                max_model_len: int, window: list[int] | None = None) -> MultiStepPlan:
+    """Each row runs at most its `window` tokens (None: num_scheduler_steps; a speculative step's 1 + its drafts), what
+    its max_tokens and max_model_len leave and what its KV blocks hold (extended here when the cache has blocks free,
+    never by preempting); block boundaries inside its window capture into its decode tracking row."""
+    bs = config.block_size
     plan = MultiStepPlan([], [], [])
-    for w in work:
+    for i, w in enumerate(work):
+        k_max = config.num_scheduler_steps if window is None else window[i]
         seq, p, rid = w.seq, w.seq.params, w.seq.request_id
         n = min(k_max, max_model_len - seq.num_tokens)
         if p.max_tokens is not None:

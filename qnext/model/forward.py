@@ -11,6 +11,7 @@ from qnext.model.attention import full_attention
 from cache.device_buffers import CacheBuffers
 from qnext.model.deltanet import gated_deltanet
 from qnext.ops.linear import linear
+from qnext.ops.lora_weight import bind_lora_slots
 from qnext.model.mlp import feed_forward
 from qnext.model.norms import rms_norm
 from qnext.model.snapshot_staging import capture_rows, restore_rows, stage
@@ -27,6 +28,8 @@ def decoder_stack(params, buffers: CacheBuffers, inputs: StepInputs, cfg: ModelC
     captures_here = linear_layer is None
     linear_layer = linear_layer or gated_deltanet
     inputs, moves = stage(buffers, inputs)
+    if inputs.lora_slots is not None:              # LoRA: each token's projections add its adapter's delta
+        params = bind_lora_slots(params, inputs.lora_slots)
     x = params["embed"][inputs.token_ids]
     if inputs.visual_embeds is not None:          # image / video pad tokens take the tower's output
         x = x.at[inputs.visual_token_index].set(inputs.visual_embeds.astype(x.dtype), mode="drop")

@@ -240,3 +240,23 @@ def _moe(t: "_Tensors", p: str, cfg: ModelConfig) -> dict[str, _Leaf]:
         "shared_down": _same(p + "shared_expert.down_proj.weight", H, Is),
         "shared_gate": _same(p + "shared_expert_gate.weight", 1, H),
     }
+
+
+class _LayoutOnly:
+    """Stands in for a checkpoint when only the plan's names and row orders are wanted (no tensor is read): the
+    family's own DeltaNet projections (Qwen3-Next packed, Qwen3.5 split), per-expert experts, lm_head tied."""
+
+    def __init__(self, packed_deltanet: bool):
+        self._packed = packed_deltanet
+
+    def has(self, name: str) -> bool:
+        return self._packed and name.endswith("in_proj_qkvz.weight")
+
+    def check(self, sources) -> None:
+        pass
+
+
+def family_plan(cfg: ModelConfig) -> dict[str, Any]:
+    """The conversion plan of cfg's family without a checkpoint: per weights-pytree leaf, its HF tensors (name,
+    shape) and the `combine` that orders their rows (used to place LoRA adapters on the fused leaves, qnext/lora)."""
+    return _plan(_LayoutOnly(cfg.model_type == "qwen3_next"), cfg)

@@ -25,6 +25,7 @@ class Model:
     params: dict
     dtype: np.dtype
     kv_cache_dtype: str = "auto"   # "fp8": the step writes and reads e4m3 KV pages, as an engine with that option
+    lora_slot: int | None = None   # params hold LoRA stacks (qnext/lora): every token uses this adapter slot
 
     def __post_init__(self):
         self._step = make_step(self.config)
@@ -48,8 +49,9 @@ class Model:
         buffers = model_cache_buffers(self.config, num_blocks=sizes.max_blocks + 1, block_size=SCORING_BLOCK_SIZE,
                                       num_state_rows=2, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype)
         seg = Segment(token_ids=ids.tolist(), start=0, block_table=list(range(1, sizes.max_blocks + 1)), read_row=-1,
-                      write_row=1, all_logits=True)
-        inputs = build_step_inputs([seg], sizes, block_size=SCORING_BLOCK_SIZE, chunk=SCORING_CHUNK)
+                      write_row=1, all_logits=True, lora_slot=self.lora_slot or 0)
+        inputs = build_step_inputs([seg], sizes, block_size=SCORING_BLOCK_SIZE, chunk=SCORING_CHUNK,
+                                   with_lora=self.lora_slot is not None)
         if rope_positions is not None or visual_embeds is not None:
             # visual rows padded to the token bucket: one compilation per bucket, whatever the image sizes
             inputs = with_visual_inputs(inputs, rope_positions, visual_embeds, visual_token_index,

@@ -44,6 +44,8 @@ class StepInputs:
     visual_embeds: jnp.ndarray | None = None       # [N, H] the tower's output for image / video pad tokens
     visual_token_index: jnp.ndarray | None = None  # [N] int32 flat token each row replaces the embedding of;
                                                    # padding rows: T (out of range, dropped)
+    lora_slots: jnp.ndarray | None = None          # [T] int32 each token's LoRA adapter slot (0: none); None in
+                                                   # an engine without LoRA (qnext/ops/lora_weight.py)
 
 
 @dataclasses.dataclass
@@ -57,6 +59,7 @@ class Segment:
     write_row: int
     captures: dict[int, int] = dataclasses.field(default_factory=dict)  # position p -> row (state after p tokens)
     all_logits: bool = False               # logits for every new token (scoring) instead of the last only
+    lora_slot: int = 0                     # the sequence's LoRA adapter slot on device (0: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,8 +167,9 @@ class _Groups:
 
 
 def build_step_inputs(segments: Sequence[Segment], sizes: LayoutSizes, *, block_size: int,
-                      chunk: int) -> StepInputs:
-    """Lays out the segments into padded arrays of `sizes` (which must fit `required_sizes`)."""
+                      chunk: int, with_lora: bool = False) -> StepInputs:
+    """Lays out the segments into padded arrays of `sizes` (which must fit `required_sizes`). with_lora: the
+    inputs carry each token's segment's lora_slot (padding tokens: slot 0)."""
     for seg in segments:
         _check_segment(seg, block_size)
     need = required_sizes(segments, chunk)
@@ -176,6 +180,7 @@ def build_step_inputs(segments: Sequence[Segment], sizes: LayoutSizes, *, block_
     positions = np.zeros(t, np.int32)
     slot_mapping = np.zeros(t, np.int32)
     token_source = np.zeros(t, np.int32)
+    lora_slots = np.zeros(t, np.int32) if with_lora else None
     logits_index = np.zeros(sizes.num_logits, np.int32)
     decode = _Groups(sizes.num_decode, 1, sizes.max_blocks)
     prefill = _Groups(sizes.num_chunks, chunk, sizes.max_blocks)
@@ -194,6 +199,8 @@ def build_step_inputs(segments: Sequence[Segment], sizes: LayoutSizes, *, block_
         end = seg.start + n
         pos = np.arange(seg.start, end)
         token_ids[flat:flat + n] = seg.token_ids
+        if with_lora:
+            lora_slots[flat:flat + n] = seg.lora_slot
         positions[flat:flat + n] = pos
         table = np.asarray(seg.block_table, np.int64)
         slot_mapping[flat:flat + n] = table[pos // block_size] * block_size + pos % block_size
@@ -214,8 +221,11 @@ def build_step_inputs(segments: Sequence[Segment], sizes: LayoutSizes, *, block_
         positions[idx] = pos
         slot_mapping[idx] = decode.block_table[rows, pos // block_size] * block_size + pos % block_size
         token_source[idx] = rows
+        if with_lora:
+            lora_slots[idx] = [seg.lora_slot for seg in decode_segs]
 
     # Host numpy leaves: the jitted step's C++ dispatch transfers them (~3x cheaper than a device_put here).
     return StepInputs(
         token_ids=token_ids, positions=positions, slot_mapping=slot_mapping, decode=decode.arrays(),
-        prefill=prefill.arrays(), token_source=token_source, logits_index=logits_index)
+        prefill=prefill.arrays(), token_source=token_source, logits_index=logits_index,
+        lora_slots=lora_slots)

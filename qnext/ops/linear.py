@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from qnext.ops.fp8_weight import Fp8Weight
+from qnext.ops.lora_weight import LoraWeight, lora_delta
 
 SPLIT_MAX_ROWS = 32      # CPU: up to this many rows, the output halves run as one batched dot (below)
 
@@ -24,7 +25,12 @@ def linear(x, w, preferred_element_type=None):
     (preferred_element_type to widen).
 
     w may be an Fp8Weight (fp8_weights="keep"): Q is widened to x's dtype times its block scales inside the jitted
-    step and multiplied as above (fp8_linear.py's "dequantize" form: the same result as the dequantised weight's)."""
+    step and multiplied as above (fp8_linear.py's "dequantize" form: the same result as the dequantised weight's).
+
+    w may be a LoraWeight (qnext/ops/lora_weight.py): the base projection plus each row's own adapter's delta."""
+    if isinstance(w, LoraWeight):
+        return linear(x, w.base, preferred_element_type) + lora_delta(x, w, linear).astype(
+            preferred_element_type or x.dtype)
     if isinstance(w, Fp8Weight):
         w = w.dequantized(x.dtype)
     lead = x.shape[:-1]

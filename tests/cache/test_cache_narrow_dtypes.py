@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from cache.cache_dtypes import kv_storage_dtype, snapshot_storage_dtype
-from cache.device_buffers import CacheBuffers, CacheLayout, allocate_host_buffers
+from cache.device_buffers import CacheBuffers, CacheLayout
+from cache.host_tier_buffers import allocate_host_buffers
 from cache.stats import TierStats
 from cache.transfers import TransferQueue
 
@@ -62,7 +63,8 @@ def test_option_values_map_to_storage_dtypes():
 def test_a_narrow_device_pool_moves_snapshot_rows_to_and_from_the_host_tier_unrounded():
     """Device rows 0..2 (zero, live, staging) are float32, ids 3.. the bf16 pool: a pool row saved and loaded back
     keeps its bf16 bits; a host slot loaded into a live row is widened there; the ids address the right buffer."""
-    from cache.device_buffers import allocate_cache_buffers, gather_device_rows, split_rows
+    from cache.buffer_copies import gather_device_rows
+    from cache.device_buffers import allocate_cache_buffers, split_rows
 
     rng = np.random.default_rng(1)
     buffers = allocate_cache_buffers(NARROW, num_blocks=2, block_size=2, num_state_rows=3, num_pool_rows=3,

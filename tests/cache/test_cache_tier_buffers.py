@@ -4,9 +4,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import cache.device_buffers as tier_buffers
+import cache.buffer_copies as buffer_copies
 from cache.device_buffers import CacheBuffers, CacheLayout
-from cache.device_buffers import allocate_host_buffers, gather_device_blocks, gather_device_rows
+from cache.buffer_copies import gather_device_blocks, gather_device_rows
+from cache.host_tier_buffers import allocate_host_buffers
 from cache.stats import TierStats
 from cache.transfers import TransferQueue
 
@@ -32,7 +33,7 @@ def as_numpy(buffers: CacheBuffers):
 
 @pytest.mark.parametrize("max_copy", [256, 2])
 def test_a_plan_runs_phase_by_phase_saves_before_loads(monkeypatch, max_copy):
-    monkeypatch.setattr(tier_buffers, "MAX_COPY", max_copy)
+    monkeypatch.setattr(buffer_copies, "MAX_COPY", max_copy)
     rng = np.random.default_rng(0)
     buffers = random_buffers(rng)
     kv, conv, recurrent = as_numpy(buffers)
@@ -62,7 +63,7 @@ def test_a_plan_runs_phase_by_phase_saves_before_loads(monkeypatch, max_copy):
 
 
 def test_gathers_for_the_cache_file_read_exactly_the_blocks_and_rows_asked(monkeypatch):
-    monkeypatch.setattr(tier_buffers, "MAX_COPY", 2)
+    monkeypatch.setattr(buffer_copies, "MAX_COPY", 2)
     buffers = random_buffers(np.random.default_rng(1))
     kv, conv, recurrent = as_numpy(buffers)
     got = gather_device_blocks(buffers.kv, [7, 1, 2, 8, 7])

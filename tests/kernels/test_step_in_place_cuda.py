@@ -143,7 +143,7 @@ def test_the_check_sees_a_scatter_that_xla_gpu_would_copy():
 def test_cache_copies_index_the_pages_leading_dims_on_cuda():
     """The other jitted functions on the cache buffers (fork copies, host-tier saves and restores) also index
     the pages on their leading dims, and the donated ones update them in place."""
-    from cache import device_buffers, fork_copies
+    from cache import buffer_copies, device_buffers, fork_copies
 
     layout = device_buffers.CacheLayout(num_kv_layers=1, num_kv_heads=2, head_dim=64, num_state_layers=1,
                                         conv_width=4, conv_dim=96, num_v_heads=2, k_head_dim=64, v_head_dim=64,
@@ -154,8 +154,8 @@ def test_cache_copies_index_the_pages_leading_dims_on_cuda():
     idx = jax.ShapeDtypeStruct((4,), jnp.int32)
     block_values = [(jax.ShapeDtypeStruct((2, 4, BLOCK_SIZE, 64), jnp.bfloat16),) * 2]
     cases = [(fork_copies._fork_copy, (buffers, idx, idx, idx, idx), len(jax.tree.leaves(buffers))),
-             (device_buffers._scatter_blocks, (buffers.kv, idx, block_values), 2),
-             (device_buffers._gather_blocks, (buffers.kv, idx), 0)]
+             (buffer_copies.scatter_blocks, (buffers.kv, idx, block_values), 2),
+             (buffer_copies.gather_blocks, (buffers.kv, idx), 0)]
     for fn, args, donated in cases:
         text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert _step_violations(text, types, 0, donated) == [], fn.__name__
