@@ -36,9 +36,9 @@ def load_model_source(model: Path, config: EngineConfig, progress: Callable[[str
     checkpoint = load_checkpoint(model, config.dtype, tensor_parallel_size=config.tensor_parallel_size,
                                  expert_parallel=config.enable_expert_parallel,
                                  attention_tensor_parallel=config.attention_tensor_parallel,
-                                 with_mtp=bool(config.num_speculative_tokens), with_vision=True,
+                                 with_mtp=config.uses_mtp_head, with_vision=True,
                                  fp8_weights=resolved_fp8_weights(config.fp8_weights, jax.default_backend()))
-    if config.num_speculative_tokens and checkpoint.mtp is None:
+    if config.uses_mtp_head and checkpoint.mtp is None:
         raise ValueError(f"speculative_config {config.speculative_config} drafts with the checkpoint's MTP "
                          f"head, but {model} has none (no mtp.* tensors, no {MTP_FILE}); train one with "
                          "scripts/train_mtp.py or drop speculative_config")
