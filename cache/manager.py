@@ -7,8 +7,9 @@ commit (publish what the step wrote) -> free (finish / abort / preempt). Nothing
 before the commit of the step that wrote it. What is kept and evicted first is the policy's (cache/policy.py).
 With a host tier (config.num_host_blocks / num_host_snapshot_slots; cache/tiers.py) evictions are offloaded and a
 match continues into the host tier; the copies this decides are taken with `take_transfers` before each step.
-The snapshots' lifecycle (cache/snapshot_lifecycle.py), the capture rows (cache/capture_rows.py) and the forks
-(cache/forks.py) are objects it holds; cache/siblings.py finds the sequence a prompt waits for.
+The snapshots' lifecycle (cache/snapshot_lifecycle.py), the capture rows (cache/capture_rows.py), the forks
+(cache/forks.py) and the holds of prompts computed elsewhere (cache/transferred_prompts.py) are objects it holds;
+cache/siblings.py finds the sequence a prompt waits for.
 """
 from typing import Hashable, Sequence
 
@@ -33,7 +34,7 @@ from cache.transfers import TransferPlan
 __all__ = ["Admission", "CacheConfig", "CacheManager"]
 
 
-class CacheManager(TransferredPrompts):
+class CacheManager:
     _buffers = None                 # the device buffers between steps (attach_buffers)
 
     def __init__(self, config: CacheConfig, policy: CachePolicy | None = None,
@@ -55,7 +56,7 @@ class CacheManager(TransferredPrompts):
         self._offload_evictions = True  # False while clearing: nothing cleared is kept in any tier
         self._free_slots = list(range(config.num_live_slots, 0, -1))
         self._seqs: dict[Hashable, SequenceRecord] = {}
-        self._held: dict[Hashable, list[int]] = {}     # hold_prefix: leading blocks kept for a transferred prompt
+        self.transferred = TransferredPrompts(config, self.blocks, block_hash_fn, admitted=self._seqs)
 
     # ---- queries --------------------------------------------------------------------------------------------------
     @property
@@ -268,6 +269,19 @@ class CacheManager(TransferredPrompts):
         self.blocks.release(reversed(seq.block_table))
         self.blocks.release(self._twin_originals(seq))
         self._free_slots.append(seq.state_row)
+
+    # ---- a prompt computed elsewhere, held by `transferred` (cache/transferred_prompts.py), admitted here ----------
+    def admit_transferred(self, seq_id, token_ids: Sequence[int], num_computed_tokens: int) -> Admission | None:
+        """None (the hold kept) when no live row or not enough blocks."""
+        num_fresh = self.transferred.num_fresh_blocks(seq_id, token_ids, num_computed_tokens)
+        if not self._free_slots or not self.blocks.can_allocate(num_fresh):
+            self.stats.admission_failures += 1
+            return None
+        seq = self._seqs[seq_id] = self.transferred.admit(seq_id, token_ids, num_computed_tokens,
+                                                         self._free_slots.pop())
+        self.stats.count_admission(seq, +1)
+        self._track_peaks()
+        return Admission(num_computed_tokens, seq.block_table, seq.state_row, seq.state_row, num_computed_tokens)
 
     # ---- eviction and clearing --------------------------------------------------------------------------------------
     def evict_cached_blocks(self, num_blocks: int) -> list[int]:

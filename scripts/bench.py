@@ -45,7 +45,7 @@ from qnext.bench.flops import matmul_shapes, workload_flops  # noqa: E402
 from qnext.bench.presets import PRESETS, bench_checkpoint  # noqa: E402
 from qnext.bench.bandwidth import floors, memory_bandwidth, weight_bytes, workload_bytes  # noqa: E402
 from qnext.engine.compilation_cache import enable_compilation_cache  # noqa: E402
-from qnext.engine.llm_engine import freeze_startup_heap  # noqa: E402
+from qnext.engine.startup_heap import freeze_startup_heap  # noqa: E402
 from qnext.bench.transformers_driver import agreement, load_hf, random_prompts, run_hf  # noqa: E402
 from qnext.bench.chat_turns import engine_options, run_chat  # noqa: E402
 from qnext.bench.gemm_rates import gemm_rates  # noqa: E402

@@ -125,7 +125,7 @@ def main(argv=None) -> dict:
     from qnext.bench.presets import bench_checkpoint, is_lm_checkpoint
     from qnext.bench.text_corpus import load_corpus
     from qnext.config import ModelConfig
-    from qnext.engine.llm_engine import freeze_startup_heap
+    from qnext.engine.startup_heap import freeze_startup_heap
     from qnext.model.mtp import load_mtp_params
 
     path = Path(args.model) if args.model else bench_checkpoint(args.preset, args.out_dir)

@@ -11,13 +11,15 @@ long-running server needs on top:
   collective for long and a lost rank shows at the next exchange;
 - a rank that is down (RankMonitor, or a collective that failed) raises RanksDownError: the engine cannot step
   without every rank, and the server turns that into 503s with the reason.
-Everything else (tokenizer, limits, counters) is the wrapped engine's."""
+It is a ServedEngine (qnext/served_engine.py); what rank 0 only reads (the tokenizer and limits, the streamed text,
+the counters) is its own engine's, member by member."""
 from __future__ import annotations
 
 import time
 
 from qnext.distributed.multiprocess import LockstepEngine, is_leader
 from qnext.distributed.request_codec import encode_ops
+from qnext.served_engine import EngineSnapshot, ServedEngine, ServedModel
 
 
 FOLLOWERS_EXIT_S = 20.0    # rank 0 waits this long at shutdown for the followers to leave jax.distributed
@@ -32,7 +34,7 @@ class RanksDivergedError(Exception):
     and this one refuses): it no longer runs the same engine and must stop."""
 
 
-class ServedLockstepEngine(LockstepEngine):
+class ServedLockstepEngine(LockstepEngine, ServedEngine):
     def __init__(self, engine, monitor=None, keepalive_s: float = 0.5):
         """monitor: rank 0's RankMonitor (None on the followers)."""
         super().__init__(engine)
@@ -40,9 +42,24 @@ class ServedLockstepEngine(LockstepEngine):
         self.failure: str | None = None
         self._last_exchange = time.monotonic()
 
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
+    # ---- read on rank 0 only: its own engine's, the same as every rank's ------------------------------------------
+    @property
+    def served_model(self) -> ServedModel:
+        return self.engine.served_model
 
+    def running_request_ids(self) -> list[str]:
+        return self.engine.running_request_ids()
+
+    def stream_text(self, request_id: str, index: int = 0) -> str:
+        return self.engine.stream_text(request_id, index)
+
+    def status(self) -> EngineSnapshot:
+        return self.engine.status()
+
+    def take_failed_requests(self) -> list[tuple[str, Exception]]:
+        return self.engine.take_failed_requests()
+
+    # ---- the operations every rank applies ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params=None) -> None:
         """Rank 0: the engine admits the request (its ValueError goes to the client), then it is queued for the
         other ranks. A request the broadcast cannot carry is refused before the engine sees it."""

@@ -13,56 +13,44 @@ a new engine on the same directory and the same model loads it at start (docs/ca
 from __future__ import annotations
 
 import dataclasses
-import gc
 import time
-import weakref
 from pathlib import Path
 from typing import Any, Callable
 
-import jax
-
 from cache.fork_copies import warm_up_fork_copies
-from cache.fingerprint import files_digest, files_digest_memoized
+from cache.snapshot_lifecycle import weak_method
 from qnext.config import ModelConfig
-from qnext.engine.cache_setup import (cache_sizes, make_cache, model_identity_digest, params_weights_digest,
-                                      prefix_cache_fingerprint)
+from qnext.engine.cache_setup import cache_sizes, make_cache
 from qnext.engine.compilation_cache import enable_compilation_cache
-from qnext.engine.config import EngineConfig, resolved_fp8_weights
+from qnext.engine.config import EngineConfig
 from qnext.engine.drafter import Drafter
 from qnext.engine.suffix_drafter import host_drafter
 from qnext.engine.engine_cache import EngineCache
 from qnext.engine.intake import Prompt, RequestIntake
+from qnext.engine.model_source import load_model_source, running_config
 from qnext.engine.pd_engine import PrefillDecodeEnds
-from qnext.engine.pd_requests import PrefillExports
 from qnext.engine.postprocess import request_output
 from qnext.engine.runner import ModelRunner
 from qnext.engine.scheduler import Scheduler
 from qnext.engine.sequence import Sequence
 from qnext.engine.stats import EngineStats
 from qnext.engine.visual_encoder import VisionSetup, VisualEncoder
-from qnext.engine.visual_intake import vision_setup
+from qnext.engine.weights_identity import WeightsIdentity
 from qnext.lora.adapter_stacks import AdapterStacks
 from qnext.lora.registry import AdapterRegistry, LoRARequest
 from qnext.model.buckets import BucketTable
-from qnext.model.checkpoint import load_checkpoint
-from qnext.model.loader import checkpoint_files
-from qnext.model.mtp import MTP_FILE
 from qnext.model.placement import WeightUpdate, place_mtp_params, place_params
 from qnext.model.tensor_parallel import make_mesh, parallel_config
 from qnext.model.vision_weights import replaced_vision_params
 from qnext.outputs import RequestOutput
 from qnext.sampling_params import SamplingParams
+from qnext.served_engine import EngineSnapshot, ServedEngine, ServedModel
 from qnext.structured import GrammarCompiler
 from qnext.tokenizer import Tokenizer
 
-WEIGHTS_DIGEST_MEMO = "weights_digest.json"   # in prefix_cache_dir: the checkpoint's digest, by file sizes and times
 
-
-class LLMEngine(PrefillDecodeEnds):
-    _weights_digest: str | None = None   # of the weights the cache was computed with (only with prefix_cache_dir)
+class LLMEngine(ServedEngine):
     compilation_cache_dir: str | None = None   # JAX's persistent compilation cache this engine turned on (None: off)
-    _checkpoint_files: list[Path] | None = None   # the weights' files while the engine computes with them
-    _model_identity: str | None = None
     _closed = False
 
     def __init__(self, model: str | Path, *, progress: Callable[[str], Any] | None = None, **options):
@@ -70,23 +58,9 @@ class LLMEngine(PrefillDecodeEnds):
         drafter = options.pop("drafter", Drafter)
         config = EngineConfig(**options)
         self.compilation_cache_dir = enable_compilation_cache(config.compilation_cache_dir)   # before any compile
-        tokenizer = Tokenizer.from_pretrained(model) if (model / "tokenizer.json").is_file() else None
-        (progress or (lambda msg: None))("loading weights")
-        checkpoint = load_checkpoint(model, config.dtype, tensor_parallel_size=config.tensor_parallel_size,
-                                     expert_parallel=config.enable_expert_parallel,
-                                     attention_tensor_parallel=config.attention_tensor_parallel,
-                                     with_mtp=config.uses_mtp_head, with_vision=True,
-                                     fp8_weights=resolved_fp8_weights(config.fp8_weights, jax.default_backend()))
-        if config.uses_mtp_head and checkpoint.mtp is None:
-            raise ValueError(f"speculative_config {config.speculative_config} drafts with the checkpoint's MTP "
-                             f"head, but {model} has none (no mtp.* tensors, no {MTP_FILE}); train one with "
-                             "scripts/train_mtp.py or drop speculative_config")
-        self._checkpoint_files = checkpoint_files(model)
-        if config.prefix_cache_dir is not None and config.enable_prefix_caching:
-            self._weights_digest = files_digest_memoized(self._checkpoint_files,
-                                                         Path(config.prefix_cache_dir) / WEIGHTS_DIGEST_MEMO)
-        self._start(config, checkpoint.config, checkpoint.params, tokenizer, checkpoint.mtp, drafter,
-                    vision_setup(model, checkpoint.vision))
+        source = load_model_source(model, config, progress)
+        self.weights_identity = source.identity
+        self._start(config, source.cfg, source.params, source.tokenizer, source.mtp, drafter, source.vision)
 
     @classmethod
     def from_params(cls, cfg: ModelConfig, params, tokenizer: Tokenizer | None = None, **options) -> "LLMEngine":
@@ -94,6 +68,7 @@ class LLMEngine(PrefillDecodeEnds):
         state): they are copied into the engine's own device buffers (cast to `dtype`, sharded under tensor
         parallelism), which `update_weights` later overwrites in place."""
         engine = cls.__new__(cls)
+        engine.weights_identity = WeightsIdentity()
         mtp = options.pop("mtp_params", None)
         drafter = options.pop("drafter", Drafter)
         config = EngineConfig(**options)
@@ -128,18 +103,13 @@ class LLMEngine(PrefillDecodeEnds):
         if self.visual_encoder is not None:
             self.visual_encoder.use_weights(self.vision)
         self.cache.manager.clear_prefix_cache()
-        self._weights_digest = None          # a persisted cache is bound to the new weights (digest at close)
-        self._checkpoint_files = self._model_identity = None
+        self.weights_identity.weights_replaced()    # a persisted cache is bound to the new weights (digest at close)
 
     def _start(self, config: EngineConfig, cfg: ModelConfig, params, tokenizer: Tokenizer | None, mtp=None,
                drafter=Drafter, vision: VisionSetup | None = None) -> None:
         """mtp: the MTP head's params when the engine speculates; drafter(cfg, mtp, config) makes the runner's
         Drafter (engine option `drafter`: a subclass drafts otherwise, e.g. qnext/bench/oracle_drafts.py)."""
-        cfg = cfg.with_backend()             # kernels and layouts chosen once, for every layer and step
-        cfg = dataclasses.replace(cfg, kv_cache_scale=float(config.kv_cache_scale))
-        if cfg.backend == "gpu":             # Pallas Mosaic GPU or Triton, logged (pallas_kernels/backend_choice.py)
-            from pallas_kernels.backend_choice import resolve_gpu_kernel_backend
-            cfg = dataclasses.replace(cfg, gpu_kernels=resolve_gpu_kernel_backend(config.gpu_kernel_backend))
+        cfg = running_config(cfg, config)
         self.config, self.model_config, self.tokenizer = config, cfg, tokenizer
         self.max_model_len = config.resolved_max_model_len(cfg)
         self.intake = RequestIntake(config, cfg, tokenizer, self.max_model_len,   # starts the grammar compiler
@@ -166,9 +136,12 @@ class LLMEngine(PrefillDecodeEnds):
         self.scheduler = Scheduler(config, self.cache, buckets, eos_token_ids=cfg.eos_token_ids,
                                    vocab_size=cfg.vocab_size, max_model_len=self.max_model_len)
         self.requests: dict[str, Sequence] = {}
-        identity = weakref.WeakMethod(self.model_identity)    # no cycle: a dropped engine frees by refcount
-        self.prefill_exports = PrefillExports(cfg, config.tensor_parallel_size, config.block_size,
-                                              config.kv_cache_scale, lambda: identity()())
+        # the callbacks hold the engine weakly: no cycle, so a dropped engine frees its buffers by refcount
+        self.pd = PrefillDecodeEnds(cfg, config.tensor_parallel_size, config.block_size, config.kv_cache_scale,
+                                    self.max_model_len, intake=self.intake, cache=self.cache, stats=self.stats,
+                                    eos_token_ids=cfg.eos_token_ids, admit=weak_method(self._admit),
+                                    check_new=weak_method(self._check_new),
+                                    model_identity=weak_method(self.model_identity))
 
     def warm_up(self, on_bucket=None) -> int:
         """Compiles every step shape (and the common sampler variants); after it a workload compiles nothing.
@@ -206,13 +179,8 @@ class LLMEngine(PrefillDecodeEnds):
                     lora_request: LoRARequest | None = None) -> None:
         """lora_request: the adapter the request runs with (engine option enable_lora; docs/lora.md); a prompt dict
         may carry it as "lora_request" instead (the server's requests: it travels with the prompt)."""
-        if self._closed:
-            raise RuntimeError("the engine is closed; start a new one (with the same prefix_cache_dir to reuse its "
-                               "cache)")
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_new(request_id)
         samples = self.intake.samples(request_id, prompt, params or SamplingParams())
-        seq = samples[0]
         if lora_request is None and isinstance(prompt, dict):
             lora_request = prompt.get("lora_request")
         if lora_request is not None:
@@ -222,7 +190,18 @@ class LLMEngine(PrefillDecodeEnds):
             use = self.lora.use(lora_request, len(samples))     # its device slot is bound at admission
             for sample in samples:
                 sample.lora = use
-        self.requests[request_id] = seq
+        self._admit(samples[0])
+
+    def _check_new(self, request_id: str) -> None:
+        if self._closed:
+            raise RuntimeError("the engine is closed; start a new one (with the same prefix_cache_dir to reuse its "
+                               "cache)")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+
+    def _admit(self, seq: Sequence) -> None:
+        """A request's sequence (sample 0), built by the intake, into the request table and the scheduler."""
+        self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
         self.stats.num_prompt_tokens += len(seq.prompt_token_ids)
 
@@ -286,27 +265,29 @@ class LLMEngine(PrefillDecodeEnds):
         self.close()
 
     def model_identity(self) -> str:
-        """A digest of what this engine computes with: the model's config (its parallel layout and kernels aside),
-        the engine's dtypes and the weights (the checkpoint's files as loaded, so equal for every tensor-parallel size;
-        the in-memory weights after from_params or update_weights). Every PD transfer and every rank's handshake
-        carries it: two processes that agree on it compute the same model. Computed once (reading the weights)."""
-        if self._model_identity is None:
-            if self._checkpoint_files is None:
-                weights = params_weights_digest(self.runner.params)
-            else:                # the persisted cache's memoized digest of the same files, when it has one
-                weights = self._weights_digest or files_digest(self._checkpoint_files)
-            self._model_identity = model_identity_digest(self.model_config, weights, self.config.dtype,
-                                                         self.config.fp8_weights)
-        return self._model_identity
+        """What this engine computes with, as one digest (engine/weights_identity.py): every PD transfer and every
+        rank's handshake carries it. Computed once (reading the weights)."""
+        return self.weights_identity.model_identity(self.model_config, self.config, self.runner.params)
 
     def _cache_fingerprint(self) -> dict:
-        if self._weights_digest is None:
-            self._weights_digest = params_weights_digest(self.runner.params)
-        return prefix_cache_fingerprint(self.model_config, self.config, self._weights_digest)
+        return self.weights_identity.cache_fingerprint(self.model_config, self.config, self.runner.params)
 
     def cache_usage(self) -> dict:
         """Pool occupancy now (EngineCache.usage): KV blocks, live state rows, snapshot rows."""
         return self.cache.usage()
+
+    @property
+    def served_model(self) -> ServedModel:
+        return ServedModel(self.tokenizer, self.max_model_len, self.model_config.vocab_size, self.config.block_size,
+                           self.cache_sizes.num_blocks, self.vision, self.validate_structured_outputs)
+
+    def status(self) -> EngineSnapshot:
+        return EngineSnapshot(self.num_running, self.num_waiting, dataclasses.asdict(self.cache_stats),
+                              dataclasses.asdict(self.stats), self.cache_usage())
+
+    def take_failed_requests(self) -> list[tuple[str, Exception]]:
+        """None here: a request fails alone only in a PD decode role (server/pd_role_engines.py)."""
+        return []
 
     def running_request_ids(self) -> list[str]:
         """The requests with a running sample (a request's n samples once)."""
@@ -327,7 +308,7 @@ class LLMEngine(PrefillDecodeEnds):
         result = self.runner.execute(plan)
         t2 = time.perf_counter()
         updated, generated = self.scheduler.postprocess(plan, result)
-        self.prefill_exports.export(self.scheduler, self.cache.manager)
+        self.pd.export_prefilled()
         for seq in updated:
             if seq.is_finished:
                 self._free(seq)
@@ -345,12 +326,3 @@ class LLMEngine(PrefillDecodeEnds):
     def release(self, request_id: str) -> None:
         """Forget a finished request's bookkeeping (the LLM front end calls it after returning the output)."""
         self.requests.pop(request_id, None)
-
-
-def freeze_startup_heap() -> None:
-    """Makes every object alive now permanent for Python's cyclic GC, as vLLM does after start-up: otherwise each
-    oldest-generation collection walks the whole start-up heap (JAX, the tokenizer, the engine), which cost ~2 ms a
-    step at 64 rows of the tiny model (docs/engine.md). Optional, for long-running front ends and benchmarks; a
-    library constructor does not call it."""
-    gc.collect()
-    gc.freeze()

@@ -18,6 +18,7 @@ from qnext.engine.pd_transfer import (BundleSource, PeerMismatchError, PrefillBu
                                       bundle_nbytes, cache_layout_meta, check_model, export_prefill, first_token,
                                       stage_transferred)
 from qnext.engine.postprocess import append_sampled
+from qnext.engine.sampled_token import SampledToken
 from qnext.engine.sequence import Sequence
 
 logger = logging.getLogger("qnext.engine")
@@ -49,19 +50,16 @@ class PrefillExports:
     def layout(self, buffers: CacheBuffers) -> dict:
         return cache_layout_meta(self.cfg, buffers, self.block_size, self.kv_cache_scale)
 
-    def export(self, scheduler, manager: CacheManager) -> None:
-        """Reads the prompts the last step ran for export (scheduler.prefilled) out of the buffers: right after
-        the step's postprocess, before anything else writes their freed blocks or row."""
-        if not scheduler.prefilled:
-            return
+    def export(self, prefilled: list[tuple[Sequence, list[int], int, SampledToken]], manager: CacheManager) -> None:
+        """Reads the prompts the last step ran for export ((seq, block table, live row, first token) each) out of
+        the buffers: right after the step's postprocess, before anything else writes their freed blocks or row."""
         buffers = manager.buffers
         layout, identity = self.layout(buffers), self.model_identity()
         now = time.monotonic()
         bundles = {seq.request_id: (now, export_prefill(
             buffers, self.cfg, self.tp, layout, identity, seq.request_id, seq.prompt_token_ids,
             block_hashes(seq.prompt_token_ids, self.block_size, manager.block_hash_fn), table, row, token,
-            (seq.finish_reason, seq.stop_reason))) for seq, table, row, token in scheduler.prefilled}
-        scheduler.prefilled = []
+            (seq.finish_reason, seq.stop_reason))) for seq, table, row, token in prefilled}
         with self._lock:
             self._bundles = {rid: b for rid, b in self._bundles.items() if now - b[0] < self.ttl_s}
             self._bundles.update(bundles)
@@ -133,14 +131,14 @@ def begin_transfer(seq: Sequence, meta: dict, cache: EngineCache, cfg: ModelConf
                          "max_model_len")
     manager = cache.manager
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), manager.buffers)
-    return PendingTransfer(seq, meta, manager.hold_prefix(seq.request_id, seq.prompt_token_ids), shapes, cfg, tp)
+    return PendingTransfer(seq, meta, manager.transferred.hold(seq.request_id, seq.prompt_token_ids), shapes, cfg, tp)
 
 
 def finish_transfer(pending: PendingTransfer, cache: EngineCache) -> Sequence:
-    """The fetched request, ready for the scheduler (engine thread); a failure releases the hold."""
+    """The fetched request (its fetch checked), ready for its TransferredPromptFeature (engine thread); a failure
+    releases the hold."""
     seq = pending.seq
     if pending.staged is None:
-        cache.manager.drop_held(seq.request_id)
+        cache.manager.transferred.drop(seq.request_id)
         raise RuntimeError(f"request {seq.request_id!r}: its transfer was not fetched")
-    seq.transferred = pending.staged
     return seq

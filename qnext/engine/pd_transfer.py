@@ -156,7 +156,7 @@ def bundle_nbytes(arrays: dict[str, np.ndarray]) -> int:
 @dataclasses.dataclass
 class TransferredPrompt:
     """A decode engine's copy of what it fetched, in its own layout, until the request is admitted."""
-    num_held_blocks: int           # leading blocks its own cache holds (cache.CacheManager.hold_prefix)
+    num_held_blocks: int           # leading blocks its own cache holds (cache.CacheManager.transferred.hold)
     kv: tuple                      # per KV layer of its buffers (k, v) [Hkv(tp), missing blocks, bs, D]
     conv: tuple                    # per linear-attention layer [1, K-1, conv_dim(tp)]
     recurrent: tuple               # per linear-attention layer [1, Hv, dk, dv]

@@ -19,11 +19,10 @@ from collections.abc import Sequence as Seq
 
 from qnext.engine.config import EngineConfig
 from qnext.engine.engine_cache import EngineCache
-from qnext.engine.pd_transfer import PREFILLED
 from qnext.engine.plan import ScheduledSequence, StepPlan, StepResult
 from qnext.engine.postprocess import Stop, append_sampled, append_window, mark_finished
-from qnext.engine.sampled_token import SampledToken
 from qnext.engine.sequence import Sequence, SequenceStatus
+from qnext.engine.sequence_features import SequenceFeature, computed_elsewhere
 from qnext.engine.window_plan import Work, multi_step_ok, speculative_ok, window_plan
 from qnext.model.buckets import BucketTable
 from qnext.model.step_inputs import Segment
@@ -42,8 +41,6 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        # prefill engine (PD): (seq, block table, live row, first token) of prompts just computed, for their export
-        self.prefilled: list[tuple[Sequence, list[int], int, SampledToken]] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -57,9 +54,9 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-            if seq.transferred is not None:
-                self.cache.drop_held(seq.request_id)
-                seq.transferred = None
+            for feature in seq.features:
+                feature.dropped(self.cache, seq)
+            seq.features = []
         mark_finished(seq, ("abort", None))
 
     # ---- planning ---------------------------------------------------------------------------------------------
@@ -125,8 +122,9 @@ class Scheduler:
                 break
             if seq.lora is not None and not seq.lora.bind():
                 continue                        # every LoRA slot holds another adapter of unfinished requests
-            if seq.transferred is not None:
-                if not self._admit_transferred(seq, budget, layout, work):
+            arrived = computed_elsewhere(seq)
+            if arrived is not None:
+                if not self._admit_computed(seq, arrived, budget, layout, work):
                     break
                 budget -= 1
                 continue
@@ -159,25 +157,22 @@ class Scheduler:
         return asked, {seq for seq in asked if self._sibling(seq) is not None}
 
     def _sibling(self, seq: Sequence):
-        if seq.transferred is not None:         # its prompt was computed elsewhere
+        if computed_elsewhere(seq) is not None:
             return None
         return self.cache.sibling_prefix(seq.token_ids, seq.visuals.spans if seq.visuals is not None else (),
                                          seq.lora.hash_root if seq.lora is not None else None)
 
-    def _admit_transferred(self, seq: Sequence, budget: int, layout, work: list[Work]) -> bool:
-        """Admits a request whose prompt a prefill engine computed: its next step runs the first token only. The
-        transferred KV and state are written into its blocks and live row before that step (EngineCache)."""
-        n = len(seq.prompt_token_ids)
-        w = self._work(seq, n, budget)
+    def _admit_computed(self, seq: Sequence, arrived: SequenceFeature, budget: int, layout,
+                        work: list[Work]) -> bool:
+        """Admits a request whose prompt came computed (a PD decode engine's transfer): its next step runs from
+        there (engine/sequence_features.py)."""
+        w = self._work(seq, arrived.computed_tokens, budget)
         if not layout.try_add(w.start, w.num_tokens, w.captures):
             return False
-        admission = self.cache.admit_transferred(seq.request_id, seq.token_view, n)
+        admission = arrived.admit(self.cache, self.engine_cache, seq)
         if admission is None:
             return False
-        t = seq.transferred
-        blocks = admission.block_table[t.num_held_blocks:-(-n // self.config.block_size)]
-        self.engine_cache.write_transferred(blocks, t.kv, admission.state_row, t.conv, t.recurrent)
-        seq.transferred = None             # a preemption recomputes it like any other
+        seq.features.remove(arrived)          # a preemption recomputes the prompt like any other
         self.waiting.remove(seq)
         self._start(seq, admission)
         self.running.append(seq)
@@ -248,12 +243,9 @@ class Scheduler:
                 produced = True
             seq.draft_token_ids = result.drafts.get(seq.request_id, [])
             self.cache.commit(seq.request_id, seq.token_view, seq.num_computed_tokens)
-            # a prefill request's decoding goes on elsewhere (engine/pd_transfer.py), unless its first token ends it
-            if seq.export_prefill and produced and stop is None:
-                rid = seq.request_id
-                self.prefilled.append((seq, list(self.cache.block_table(rid)), self.cache.state_rows(rid)[1],
-                                       result.sampled[rid]))
-                stop = PREFILLED, None
+            if plan.multi is None and produced and stop is None:    # a feature may end it here (PD prefill)
+                for feature in seq.features:
+                    stop = stop or feature.after_sample(seq, result.sampled[seq.request_id], self.cache)
             forked = self._fork(seq, it.forks, result) if it.forks else []
             if stop is not None:
                 self._finish(seq, stop)

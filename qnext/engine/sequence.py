@@ -16,9 +16,10 @@ from qnext.structured.matcher import StructuredState
 from qnext.structured.thinking_budget import ThinkingBudget
 from qnext.tokenizer import IncrementalDetokenizer
 
+from qnext.engine.sequence_features import SequenceFeature
+
 if TYPE_CHECKING:
     from qnext.lora.registry import AdapterUse
-    from qnext.engine.pd_transfer import TransferredPrompt
     from qnext.engine.visual_request import SequenceVisuals
 
 
@@ -63,10 +64,9 @@ class Sequence:
     # that returned them; [] when that step drafted nothing for this sequence)
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)
     pending_forks: list["Sequence"] = dataclasses.field(default_factory=list)
-    # Prefill/decode disaggregation (engine/pd_transfer.py): a prefill engine's request stops after its first token
-    # and exports its cache; a decode engine's arrives with the prompt computed elsewhere (until its admission)
-    export_prefill: bool = False
-    transferred: "TransferredPrompt | None" = None
+    # Per-request features with hooks the scheduler calls (engine/sequence_features.py), e.g. prefill/decode
+    # disaggregation's (engine/pd_features.py)
+    features: list[SequenceFeature] = dataclasses.field(default_factory=list)
 
     @property
     def first(self) -> "Sequence":

@@ -19,7 +19,8 @@ from qnext.engine.intake import validate_prompt
 from qnext.lora.registry import LoRARequest
 from qnext.sampling_params import SamplingParams
 from qnext.server.chat_request import ChatInputs, ChatRequest, ChatTranslator
-from qnext.server.engine_loop import AsyncEngine, EngineStepError, EngineStoppedError, QueueFullError, RequestError
+from qnext.server.engine_front import EngineFront
+from qnext.server.engine_errors import EngineStepError, EngineStoppedError, QueueFullError, RequestError
 from qnext.server.errors import APIError, bad_request, engine_error
 from qnext.server.lora_adapters import ServedAdapters
 from qnext.server.pd_serving import PD_REQUEST
@@ -33,23 +34,23 @@ def new_request_id(prefix: str) -> str:
 
 
 class Admission:
-    def __init__(self, async_engine: AsyncEngine, model_name: str, *, aliases: Sequence[str] = (),
+    def __init__(self, async_engine: EngineFront, model_name: str, *, aliases: Sequence[str] = (),
                  tool_call_parser: str | None = None, reasoning_parser: str | None = None,
                  media_limits: MediaLimits = MediaLimits(), adapters: ServedAdapters | None = None):
         """adapters: the LoRA adapters served by name (server/lora_adapters.py; None: LoRA is off)."""
-        engine = async_engine.engine
+        model = async_engine.served_model       # the engine itself is not touched here
         self.async_engine = async_engine
         self.model_name = model_name
         self.model_names = tuple(dict.fromkeys([model_name, *aliases]))     # what clients may send as `model`
         self.adapters = adapters
-        self.tokenizer = engine.tokenizer       # thread-safe on its own; the engine itself is not touched here
-        self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.model_config.vocab_size
+        self.tokenizer = model.tokenizer        # thread-safe on its own
+        self.max_model_len = model.max_model_len
+        self.vocab_size = model.vocab_size
         self.prompt_bound = PromptBound(self.tokenizer, self.max_model_len)
         self.translator = ChatTranslator(self.tokenizer, tool_call_parser=tool_call_parser,
                                          reasoning_parser=reasoning_parser,
-                                         check_structured=getattr(engine, "validate_structured_outputs", None),
-                                         vision=getattr(engine, "vision", None), media_limits=media_limits,
+                                         check_structured=model.check_structured, vision=model.vision,
+                                         media_limits=media_limits,
                                          max_model_len=self.max_model_len)
         # chats with pictures are translated here, so that they never hold up tokenization's threads
         self.media_pool = concurrent.futures.ThreadPoolExecutor(media_limits.workers,

@@ -9,6 +9,7 @@ from typing import Sequence
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from qnext.served_engine import ServedEngine
 from qnext.server.admission import Admission
 from qnext.server.agent_serving import AgentServing
 from qnext.server.auth import APIKeyMiddleware
@@ -16,7 +17,7 @@ from qnext.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddlewa
 from qnext.server.engine_loop import AsyncEngine
 from qnext.server.errors import install_error_handlers
 from qnext.server.lora_adapters import ServedAdapters, adapter_cards, install_lora_routes
-from qnext.server.metrics import CONTENT_TYPE, ServerMetrics, cache_usage
+from qnext.server.metrics import CONTENT_TYPE, ServerMetrics
 from qnext.server.pd_options import PDOptions
 from qnext.server.pd_role_engines import role_engine
 from qnext.server.pd_serving import install_pd_routes
@@ -24,28 +25,28 @@ from qnext.server.serving import OpenAIServing
 from qnext.vision.media import MediaLimits
 
 
-def build_async_engine(engine, *, max_waiting_requests: int, model_name: str,
+def build_async_engine(engine: ServedEngine, *, max_waiting_requests: int, model_name: str,
                        **loop_options) -> tuple[AsyncEngine, ServerMetrics]:
     """The engine loop and its metrics, wired together (the loop is started by the app's lifespan). loop_options:
     AsyncEngine's idle_wake_s / fatal_errors."""
     holder: list[AsyncEngine] = []
     metrics = ServerMetrics(lambda: holder[0].snapshot(), model_name)
-    async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests, observer=metrics,
-                               usage_of=cache_usage, **loop_options)
+    async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests, observer=metrics, **loop_options)
     holder.append(async_engine)
     return async_engine, metrics
 
 
-def build_app(engine, *, model_name: str, aliases: Sequence[str] = (), max_waiting_requests: int = 256,
+def build_app(engine: ServedEngine | None, *, model_name: str, aliases: Sequence[str] = (), max_waiting_requests: int = 256,
               tool_call_parser: str | None = None, reasoning_parser: str | None = None, api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, async_engine=None, metrics=None,
               media_limits: MediaLimits = MediaLimits(), pd: PDOptions | None = None,
               adapters: ServedAdapters | None = None) -> FastAPI:
-    """An app serving `engine` (an LLMEngine, or anything with its methods) as `model_name` (and `aliases`).
+    """An app serving `engine` (a ServedEngine: qnext/served_engine.py) as `model_name` (and `aliases`).
     Starting the app starts the engine thread; stopping it aborts what is left and joins the thread.
     tool_call_parser / reasoning_parser: parser names (None: chosen from the chat template; "none": off). With
     `api_key`, /v1 routes want it (auth.py); bodies past `max_request_bytes` get 413 (body_limit.py).
-    `async_engine` and `metrics` replace the one engine loop (data parallelism: qnext/server/data_parallel.py).
+    `async_engine` (an EngineFront) and `metrics` replace the one engine loop over `engine`, which may then be None
+    (data parallelism: qnext/server/data_parallel.py).
     media_limits: pictures per request, bytes, pixels, URL fetching (qnext/vision/media.py). pd: one side of
     prefill/decode disaggregation, its links and limits (server/pd_options.py, pd_serving.py). adapters: the LoRA
     adapters served by name, and the load / unload routes (server/lora_adapters.py; None: LoRA is off)."""
@@ -111,7 +112,7 @@ def build_app(engine, *, model_name: str, aliases: Sequence[str] = (), max_waiti
         snap = async_engine.snapshot()
         body = {"status": "ok" if async_engine.is_running else "engine stopped",
                 "num_requests_running": snap.num_running, "num_requests_waiting": snap.num_waiting,
-                **(async_engine.health_details() if hasattr(async_engine, "health_details") else {})}
+                **async_engine.health_details()}
         return JSONResponse(body, status_code=200 if async_engine.is_running else 503)
 
     @app.get("/metrics")

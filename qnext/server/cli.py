@@ -139,7 +139,7 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
                           engine_options.get("context_parallel_size") or 1)     # CP refuses TP: one of them is 1
         request_host_devices(per_replica * args.data_parallel_size)                 # before JAX starts
     import qnext
-    from qnext.engine.llm_engine import freeze_startup_heap
+    from qnext.engine.startup_heap import freeze_startup_heap
     from qnext.server.app import build_app
     from qnext.server.lora_adapters import ServedAdapters, parse_lora_modules
     from qnext.engine.compilation_cache import resolve_compilation_cache_dir, warm_up_unless_cached
@@ -192,9 +192,10 @@ def serve(args: argparse.Namespace, engine_options: dict) -> int:
             raise ValueError("--lora-modules needs --enable-lora")
         lora_modules = parse_lora_modules(args.lora_modules or [])       # before the model loads: minutes
         if args.data_parallel_size > 1:
-            from qnext.server.data_parallel import build_replicas
+            from qnext.server.data_parallel_startup import build_replicas
 
-            engine, async_engine, metrics = build_replicas(model, engine_options, args, names[0])
+            engine = None                                              # the replicas' engines are theirs
+            async_engine, metrics = build_replicas(model, engine_options, args, names[0])
         else:
             engine = qnext.LLM(model, progress=logger.info, **engine_options).engine
             if not args.no_warm_up:

@@ -9,59 +9,28 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
-from typing import Any, Callable
 
 from qnext.outputs import RequestOutput
 from qnext.sampling_params import SamplingParams
-from qnext.server.request_stream import RequestStream, StreamDelta
+from qnext.served_engine import EngineSnapshot, ServedEngine, ServedModel
+from qnext.server.engine_errors import EngineStepError, EngineStoppedError, QueueFullError, RequestError
+from qnext.server.engine_front import EngineFront
+from qnext.server.request_stream import RequestStream
 
 logger = logging.getLogger("qnext.server")
 
 
-class QueueFullError(Exception):
-    """More requests are waiting than --max-waiting-requests allows."""
+class AsyncEngine(EngineFront):
+    """Owns a ServedEngine (qnext/served_engine.py) through one background thread. `observer` (metrics) gets
+    on_first_token(stream) and on_finish(stream, output) calls from the engine thread. After each step, the requests
+    the engine failed alone (take_failed_requests) get their error."""
 
-
-class EngineStepError(Exception):
-    """The engine step that was running this request raised."""
-
-
-class EngineStoppedError(Exception):
-    """The engine loop has stopped (shutdown or a fatal error)."""
-
-
-class RequestError(Exception):
-    """The engine refused or failed this one request, its neighbours going on; `status` is the HTTP status it means
-    (4xx: the client's request was at fault; 5xx: a peer or the server was)."""
-
-    def __init__(self, message: str, status: int = 500):
-        super().__init__(message)
-        self.status = status
-
-
-@dataclasses.dataclass
-class EngineSnapshot:
-    """What the engine thread publishes after each step, for /metrics and /health."""
-    num_running: int = 0
-    num_waiting: int = 0
-    cache_stats: dict = dataclasses.field(default_factory=dict)
-    engine_stats: dict = dataclasses.field(default_factory=dict)
-    usage: dict = dataclasses.field(default_factory=dict)       # metrics.cache_usage(engine)
-
-
-class AsyncEngine:
-    """Owns an LLMEngine through one background thread. `observer` (metrics) gets on_first_token(stream) and
-    on_finish(stream, output) calls from the engine thread; `usage_of(engine)` reads pool usage there.
-
-    An engine whose requests can fail one by one between steps (a PD decode engine's transfers) has
-    `take_failed_requests() -> [(request_id, RequestError)]`; after each step those requests get their error."""
-
-    def __init__(self, engine, *, max_waiting_requests: int, observer=None,
-                 usage_of: Callable[[Any], dict] | None = None, idle_wake_s: float | None = None,
-                 fatal_errors: tuple[type[BaseException], ...] = ()):
+    def __init__(self, engine: ServedEngine, *, max_waiting_requests: int, observer=None,
+                 idle_wake_s: float | None = None, fatal_errors: tuple[type[BaseException], ...] = ()):
         """idle_wake_s: an idle loop still asks the engine whether it has work this often (an engine over several
         processes keeps them in step while idle). fatal_errors: step errors that stop the loop (every live request
         and every later one fails with EngineStoppedError carrying the error's message) instead of failing only the
@@ -70,8 +39,7 @@ class AsyncEngine:
             raise ValueError(f"max_waiting_requests must be at least 1, got {max_waiting_requests}")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
-        self._observer = observer
-        self._usage_of = usage_of or (lambda e: {})
+        self.observer = observer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, RequestStream] = {}       # engine thread only
         self._lock = threading.Lock()
@@ -89,8 +57,25 @@ class AsyncEngine:
         self._thread.start()
 
     @property
+    def served_model(self) -> ServedModel:
+        return self.engine.served_model
+
+    @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._accepting and self.fatal_error is None
+
+    @property
+    def down_reason(self) -> str | None:
+        if self.is_running:
+            return None
+        return str(self.fatal_error) if self.fatal_error is not None else "the engine loop is not running"
+
+    @property
+    def pid(self) -> int | None:
+        return os.getpid()
+
+    def health_details(self) -> dict:
+        return {}
 
     def snapshot(self) -> EngineSnapshot:
         with self._lock:
@@ -125,9 +110,8 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._commands.put(("stop", None))
             self._thread.join(timeout)
-        close = getattr(self.engine, "close", None)
-        if close is not None and not self._thread.is_alive():
-            close()
+        if not self._thread.is_alive():
+            self.engine.close()
 
     # ---- the event loop --------------------------------------------------------------------------------------
     async def add(self, request_id: str, prompt: dict, params: SamplingParams) -> RequestStream:
@@ -242,8 +226,7 @@ class AsyncEngine:
             logger.exception("engine step failed")
             self._fail(self._affected_by_failed_step(), EngineStepError(f"the engine step failed: {e!r}"))
             outputs = []
-        take_failed = getattr(self.engine, "take_failed_requests", None)
-        for request_id, error in take_failed() if take_failed is not None else ():
+        for request_id, error in self.engine.take_failed_requests():
             self._fail([request_id], error)
         for out in outputs:
             stream = self._live.get(out.request_id)
@@ -251,31 +234,16 @@ class AsyncEngine:
                 self._deliver(stream, out)
 
     def _deliver(self, stream: RequestStream, out: RequestOutput) -> None:
-        """One delta per choice that has new tokens or has just finished (n > 1: choices advance apart)."""
-        deltas = []
-        for completion in out.outputs:
-            i = completion.index
-            new_tokens = completion.token_ids[stream.num_tokens_sent.get(i, 0):]
-            new_logprobs = None
-            if completion.logprobs is not None:
-                new_logprobs = list(completion.logprobs[stream.num_logprobs_sent.get(i, 0):])
-                stream.num_logprobs_sent[i] = stream.num_logprobs_sent.get(i, 0) + len(new_logprobs)
-            stream.num_tokens_sent[i] = len(completion.token_ids)
-            just_finished = completion.finish_reason is not None and i not in stream.finished_choices
-            if just_finished:
-                stream.finished_choices.add(i)
-            text = self.engine.stream_text(out.request_id, i)
-            if new_tokens or text or just_finished or len(out.outputs) == 1:
-                deltas.append(StreamDelta(text, list(new_tokens), new_logprobs, out, index=i))
+        deltas = stream.deltas(out, self.engine.stream_text)
         if any(d.token_ids for d in deltas) and stream.first_token_time is None:
             stream.first_token_time = time.perf_counter()
-            if self._observer is not None:
-                self._observer.on_first_token(stream)
+            if self.observer is not None:
+                self.observer.on_first_token(stream)
         if out.finished:
             self._live.pop(out.request_id, None)
             self.engine.release(out.request_id)
-            if self._observer is not None:
-                self._observer.on_finish(stream, out)
+            if self.observer is not None:
+                self.observer.on_finish(stream, out)
         if deltas:
             deltas[-1].final = out.finished
         for delta in deltas:
@@ -294,10 +262,7 @@ class AsyncEngine:
                 stream.push(error)
 
     def _publish(self, num_taken: int = 0) -> None:
-        e = self.engine
-        snap = EngineSnapshot(num_running=e.num_running, num_waiting=e.num_waiting,
-                              cache_stats=dataclasses.asdict(e.cache_stats),
-                              engine_stats=dataclasses.asdict(e.stats), usage=self._usage_of(e))
+        snap = self.engine.status()
         with self._lock:
             self._num_queued -= num_taken
             self._snapshot = snap

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from qnext.server.api_shapes import anthropic_error_body, is_anthropic_path
-from qnext.server.engine_loop import EngineStepError, EngineStoppedError, QueueFullError, RequestError
+from qnext.server.engine_errors import EngineStepError, EngineStoppedError, QueueFullError, RequestError
 
 logger = logging.getLogger("qnext.server")
 

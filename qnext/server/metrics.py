@@ -57,11 +57,6 @@ _USAGE_GAUGES = [
 ]
 
 
-def cache_usage(engine) -> dict:
-    """Pool usage now (engine thread only)."""
-    return engine.cache_usage()
-
-
 class ServerMetrics:
     def __init__(self, async_engine_snapshot, model_name: str, labels: dict | None = None):
         """async_engine_snapshot() -> EngineSnapshot (engine_loop); labels: more labels on every sample (a data

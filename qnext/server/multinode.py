@@ -101,7 +101,7 @@ def watch_ranks(monitor, async_engine, every_s: float = 0.5) -> None:
     collective that waits for that rank (a hung rank; an exited one makes the collective raise anyway)."""
     import time
 
-    from qnext.server.engine_loop import EngineStoppedError
+    from qnext.server.engine_errors import EngineStoppedError
 
     while async_engine.is_running:
         why = monitor.failure()

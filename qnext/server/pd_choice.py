@@ -2,21 +2,21 @@
 
 The router holds no tokenizer, so its notion of a shared prefix is the request's own structure: a chat's messages
 (each turn of a conversation resends the earlier ones) or a completion prompt's text in 256-character pieces,
-hashed as a chain (key k covers pieces 0..k). Each instance remembers the chains it was sent; a request goes to the
-instance whose chain matches it deepest, since that server's prefix cache most likely holds its prompt (a decode
-server then fetches fewer blocks, a prefill server computes fewer tokens). No match, or a tie: the instance with
-the fewest requests in flight from this router, then the one chosen least recently. A chain's memory is bounded
-(least recently used keys forgotten first); it is a hint, never a correctness matter: any instance serves any
-request.
+hashed as a chain (key k covers pieces 0..k). The choice among the servers of one role is the server's one prefix
+affinity router (prefix_affinity.py, as for data parallel replicas): the server holding the longest run of the
+request's chain, since its prefix cache most likely holds the prompt (a decode server then fetches fewer blocks, a
+prefill server computes fewer tokens); no match, or a tie: the fewest requests in flight from this router, then the
+one chosen least recently.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-from collections import OrderedDict
+
+from qnext.server.prefix_affinity import PrefixAffinity
 
 TEXT_PIECE = 256        # characters per link of a completion prompt's chain
-MAX_KEYS = 100_000      # remembered chain keys per router role
+MAX_KEYS = 100_000      # remembered chain keys per server
 
 
 def prefix_chain(body: dict) -> list[bytes]:
@@ -36,9 +36,9 @@ def prefix_chain(body: dict) -> list[bytes]:
     return chain
 
 
-class InstanceChooser:
-    """Cache-affine choice among the servers of one role (see the module docstring). Not thread-safe: the router
-    calls it from its event loop."""
+class ServerPool:
+    """The servers of one role behind the router, their requests in flight, and the affinity choice among them. The
+    router calls it from its event loop."""
 
     def __init__(self, urls: list[str], max_keys: int = MAX_KEYS):
         if not urls:
@@ -47,29 +47,11 @@ class InstanceChooser:
             raise ValueError(f"a server URL is given twice: {urls}")
         self.urls = list(urls)
         self.in_flight = [0] * len(urls)
-        self._last_chosen = [0] * len(urls)
-        self._clock = 0
-        self._owner: OrderedDict[bytes, int] = OrderedDict()   # chain key -> the instance last sent it
-        self.max_keys = max_keys
+        self.affinity = PrefixAffinity(len(urls), max_keys, load_of=self.in_flight.__getitem__)
 
     def choose(self, chain: list[bytes]) -> int:
-        """The instance for a request with this prefix chain; remembers the chain as that instance's."""
-        best = None
-        for key in chain:
-            owner = self._owner.get(key)
-            if owner is None:
-                break
-            best = owner
-        if best is None:
-            best = min(range(len(self.urls)), key=lambda i: (self.in_flight[i], self._last_chosen[i]))
-        self._clock += 1
-        self._last_chosen[best] = self._clock
-        for key in chain:
-            self._owner[key] = best
-            self._owner.move_to_end(key)
-        while len(self._owner) > self.max_keys:
-            self._owner.popitem(last=False)
-        return best
+        """The server for a request with this prefix chain; it is remembered as that server's."""
+        return self.affinity.choose(chain)
 
     def started(self, i: int) -> None:
         self.in_flight[i] += 1

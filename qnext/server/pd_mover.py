@@ -29,7 +29,7 @@ import numpy as np
 
 from qnext.distributed.cluster_secret import SECRET_HEADER, ClusterSecret
 from qnext.engine.pd_transfer import PrefillBundle, bundle_nbytes, check_arrays, expected_arrays
-from qnext.server.engine_loop import RequestError
+from qnext.server.engine_errors import RequestError
 
 PD_HEADER = "x-qnext-pd"         # the router's instructions to a prefill or decode server (JSON)
 PD_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")     # request ids in PD headers and /pd/ URLs (no dots, no slashes)

@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from qnext.server.pd_choice import InstanceChooser, prefix_chain
+from qnext.server.pd_choice import ServerPool, prefix_chain
 from qnext.server.pd_mover import PD_HEADER
 
 # the client's headers that reach the servers behind the router: its API key only (never a cluster secret header
@@ -30,7 +30,7 @@ FORWARDED_HEADERS = ("authorization", "x-api-key")
 
 
 def build_pd_router(prefill_urls: list[str] | str, decode_urls: list[str] | str, timeout: float = 600.0) -> FastAPI:
-    prefills, decodes = (InstanceChooser([u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)])
+    prefills, decodes = (ServerPool([u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)])
                          for urls in (prefill_urls, decode_urls))
     client = httpx.AsyncClient(timeout=timeout)
 

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from qnext.distributed.cluster_secret import SECRET_HEADER, ClusterSecret
-from qnext.server.engine_loop import RequestError
+from qnext.server.engine_errors import RequestError
 from qnext.server.pd_mover import PD_HEADER, PrefillMover, RemoteBundle, check_pd_id, read_bundle_meta
 from qnext.server.pd_options import PDOptions
 
@@ -146,13 +146,14 @@ class PullRequest(BaseModel):
 
 
 def install_pd_routes(app: FastAPI, engine, options: PDOptions) -> None:
-    """The header middleware, and on a prefill server the bundle routes (behind the secret when there is one)."""
+    """The header middleware, and on a prefill server the bundle routes over its role engine's exports (behind the
+    secret when there is one)."""
     app.add_middleware(PDHeaderMiddleware, options=options)
     if options.secret is not None:
         app.add_middleware(ClusterSecretMiddleware, secret=options.secret)
     if options.role != "prefill":
         return
-    exports, mover = engine.prefill_exports, PrefillMover(options.transfer_host, options.offer_ttl_s)
+    exports, mover = engine.exports, PrefillMover(options.transfer_host, options.offer_ttl_s)
 
     @app.get("/pd/bundles/{request_id}")
     async def bundle_meta(request_id: str):

@@ -1,8 +1,9 @@
 """The HTTP process's handle on a data parallel replica that runs in its own process (replica_worker.py).
 
-`ProcessReplica` has AsyncEngine's interface (add, abort, snapshot, start, stop, is_running), so the router
-(data_parallel.py) treats thread and process replicas alike. A reader thread turns the replica's messages into the
-request streams' deltas and the metrics observer's calls (first token, finish: timed here, where the client waits).
+`ProcessReplica` is an EngineFront (engine_front.py), as AsyncEngine is, so the router (data_parallel.py) treats
+thread and process replicas alike; of the engine, the HTTP side holds only its ServedModel (`served_model_of`: the
+replica's limits, with the tokenizer and picture preprocessing loaded here). A reader thread turns the replica's
+messages into the request streams' deltas and the metrics observer's calls (first token, finish: timed here, where the client waits).
 When the replica's process exits, its pipe closes: the replica is marked down, every request it held fails with
 ReplicaDownError (503, naming the replica and its exit code), and the router stops sending it requests."""
 from __future__ import annotations
@@ -12,9 +13,11 @@ import logging
 import multiprocessing
 import threading
 import time
-import types
 
-from qnext.server.engine_loop import EngineSnapshot, EngineStepError, EngineStoppedError, QueueFullError
+from qnext.sampling_params import SamplingParams
+from qnext.served_engine import EngineSnapshot, ServedModel
+from qnext.server.engine_front import EngineFront
+from qnext.server.engine_errors import EngineStepError, EngineStoppedError, QueueFullError
 from qnext.server.replica_devices import ReplicaDevices
 from qnext.server.request_stream import RequestStream
 
@@ -28,7 +31,7 @@ class ReplicaDownError(EngineStoppedError):
     """The replica's process exited; its requests failed and the others serve on."""
 
 
-class ProcessReplica:
+class ProcessReplica(EngineFront):
     def __init__(self, devices: ReplicaDevices, model: str, engine_options: dict, *, max_waiting_requests: int,
                  warm_up: bool, log_level: str = "info"):
         """devices: the replica's assignment (replica_devices.assign_replica_devices); it refuses to start on others."""
@@ -44,6 +47,7 @@ class ProcessReplica:
         child.close()
         self.info: dict = {}
         self.down: str | None = None
+        self._served_model: ServedModel | None = None
         self._streams: dict[str, RequestStream] = {}
         self._num_admitting = 0
         self._snapshot = EngineSnapshot()
@@ -69,6 +73,17 @@ class ProcessReplica:
         self.info = info
         return self.info
 
+    def set_served_model(self, model: ServedModel) -> None:
+        """Once ready: what the HTTP side reads of this replica's engine (served_model_of(self.info, ...))."""
+        self._served_model = model
+
+    @property
+    def served_model(self) -> ServedModel:
+        if self._served_model is None:
+            raise RuntimeError(f"data parallel replica {self.index} has no served model yet (wait_ready, then "
+                               "set_served_model)")
+        return self._served_model
+
     def start(self) -> None:
         self._reader.start()
 
@@ -84,8 +99,17 @@ class ProcessReplica:
         return self.down is None and self.process.is_alive()
 
     @property
+    def down_reason(self) -> str | None:
+        if self.is_running:
+            return None
+        return self.down or f"data parallel replica {self.index} is not running"
+
+    @property
     def pid(self) -> int | None:
         return self.process.pid
+
+    def health_details(self) -> dict:
+        return {}
 
     def snapshot(self) -> EngineSnapshot:
         with self._lock:
@@ -107,11 +131,11 @@ class ProcessReplica:
             return sum(s.admitted.done() for s in self._streams.values())
 
     # ---- the event loop ------------------------------------------------------------------------------------------
-    async def add(self, request_id: str, prompt: dict, params) -> RequestStream:
+    async def add(self, request_id: str, prompt: dict, params: SamplingParams) -> RequestStream:
         stream = RequestStream(request_id, asyncio.get_running_loop(), self.abort)
         with self._lock:
             if not self.is_running:
-                raise ReplicaDownError(self.down or f"data parallel replica {self.index} is not running")
+                raise ReplicaDownError(self.down_reason)
             waiting = self._snapshot.num_waiting + self._num_admitting
             if waiting >= self.max_waiting_requests:
                 raise QueueFullError(f"{waiting} requests are already waiting (max_waiting_requests is "
@@ -192,11 +216,9 @@ class ProcessReplica:
             stream.push(error)
 
 
-def facade(info: dict, tokenizer, vision=None):
-    """What the HTTP side reads from `async_engine.engine` (Admission, the router), for a replica in another
-    process: the tokenizer (loaded here), the picture preprocessing (a VisionSetup without weights: the replica
-    runs the tower) and the replica's limits."""
-    return types.SimpleNamespace(tokenizer=tokenizer, vision=vision, max_model_len=info["max_model_len"],
-                                 model_config=types.SimpleNamespace(vocab_size=info["vocab_size"]),
-                                 config=types.SimpleNamespace(block_size=info["block_size"]),
-                                 cache_sizes=types.SimpleNamespace(num_blocks=info["num_blocks"]))
+def served_model_of(info: dict, tokenizer, vision=None) -> ServedModel:
+    """A replica's ServedModel in the HTTP process: its limits as it reported them when ready, the tokenizer (loaded
+    here) and the picture preprocessing (a VisionSetup without weights: the replica runs the tower). Structured
+    outputs are checked by the replica's engine when it takes the request (a bad one is refused there, 400)."""
+    return ServedModel(tokenizer, info["max_model_len"], info["vocab_size"], info["block_size"], info["num_blocks"],
+                       vision)

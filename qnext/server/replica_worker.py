@@ -42,7 +42,6 @@ def run_replica(conn, devices, model: str, engine_options: dict, warm_up: bool, 
 async def _serve(conn, model: str, engine_options: dict, warm_up: bool) -> None:
     import qnext
     from qnext.server.engine_loop import AsyncEngine
-    from qnext.server.metrics import cache_usage
     from qnext.server.startup import warm_up_with_progress
 
     logger = logging.getLogger("qnext.server")
@@ -50,14 +49,15 @@ async def _serve(conn, model: str, engine_options: dict, warm_up: bool) -> None:
     if warm_up:
         warm_up_with_progress(engine)
     # the HTTP process bounds the waiting requests (it sees every replica); here any number may wait
-    async_engine = AsyncEngine(engine, max_waiting_requests=1 << 30, usage_of=cache_usage)
+    async_engine = AsyncEngine(engine, max_waiting_requests=1 << 30)
     async_engine.start()
     import jax
 
+    model = engine.served_model
     conn.send(("ready", {"platform": jax.devices()[0].platform, "device_count": jax.device_count(),
-                         "max_model_len": engine.max_model_len, "vocab_size": engine.model_config.vocab_size,
-                         "block_size": engine.config.block_size, "num_blocks": engine.cache_sizes.num_blocks,
-                         "pid": os.getpid(), "vision": engine.vision is not None}))
+                         "max_model_len": model.max_model_len, "vocab_size": model.vocab_size,
+                         "block_size": model.block_size, "num_blocks": model.num_blocks,
+                         "pid": os.getpid(), "vision": model.vision is not None}))
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue = asyncio.Queue()
 
@@ -89,7 +89,7 @@ async def _serve(conn, model: str, engine_options: dict, warm_up: bool) -> None:
 
 
 async def _run_request(conn, async_engine, request_id: str, prompt: dict, params) -> None:
-    from qnext.server.engine_loop import EngineStepError, EngineStoppedError, QueueFullError
+    from qnext.server.engine_errors import EngineStepError, EngineStoppedError, QueueFullError
 
     try:
         stream = await async_engine.add(request_id, prompt, params)

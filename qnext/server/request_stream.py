@@ -56,6 +56,26 @@ class RequestStream:
             self._on_abort(self.request_id)
 
     # ---- called from the engine thread ----------------------------------------------------------------------
+    def deltas(self, out: RequestOutput, text_of: Callable[[str, int], str]) -> list[StreamDelta]:
+        """What `out` adds to what this stream has sent: one delta per choice that has new tokens or has just
+        finished (n > 1: choices advance apart). text_of(request_id, index): the engine's new text of a choice."""
+        deltas = []
+        for completion in out.outputs:
+            i = completion.index
+            new_tokens = completion.token_ids[self.num_tokens_sent.get(i, 0):]
+            new_logprobs = None
+            if completion.logprobs is not None:
+                new_logprobs = list(completion.logprobs[self.num_logprobs_sent.get(i, 0):])
+                self.num_logprobs_sent[i] = self.num_logprobs_sent.get(i, 0) + len(new_logprobs)
+            self.num_tokens_sent[i] = len(completion.token_ids)
+            just_finished = completion.finish_reason is not None and i not in self.finished_choices
+            if just_finished:
+                self.finished_choices.add(i)
+            text = text_of(out.request_id, i)
+            if new_tokens or text or just_finished or len(out.outputs) == 1:
+                deltas.append(StreamDelta(text, list(new_tokens), new_logprobs, out, index=i))
+        return deltas
+
     def push(self, item: StreamDelta | BaseException) -> None:
         _call_in_loop(self._loop, self._queue.put_nowait, item)
 

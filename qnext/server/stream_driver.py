@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from qnext.agents import OutputParser
 from qnext.agents.events import Event
-from qnext.server.engine_loop import EngineStepError, EngineStoppedError, RequestError
+from qnext.server.engine_errors import EngineStepError, EngineStoppedError, RequestError
 from qnext.server.errors import APIError, engine_error
 from qnext.server.request_stream import RequestStream, StreamDelta
 

@@ -24,6 +24,7 @@ _SCRIPT = textwrap.dedent("""
     from qnext import SamplingParams
     from qnext.config import ModelConfig
     from qnext.engine.llm_engine import LLMEngine
+    from qnext.engine.sequence_features import computed_elsewhere
     from qnext.model.loader import load_params
     from qnext.model.mtp import init_mtp_params, save_mtp_params
     from qnext.testing.tiny_checkpoint import write_tiny_checkpoint
@@ -68,16 +69,16 @@ _SCRIPT = textwrap.dedent("""
         pending, first, outs, moves = list(ids), {}, {}, []
         while pending or prefill.has_unfinished_requests() or decode.has_unfinished_requests():
             for i in pending[:3]:
-                prefill.add_prefill_request(f"{tag}{i}", {"prompt_token_ids": prompts[i]}, greedy)
+                prefill.pd.add_prefill_request(f"{tag}{i}", {"prompt_token_ids": prompts[i]}, greedy)
             pending = pending[3:]
             for o in prefill.step():
                 assert o.finished and o.outputs[0].finish_reason == "prefilled", o.outputs[0].finish_reason
-                bundle = prefill.take_prefill_bundle(o.request_id)
+                bundle = prefill.pd.take_prefill_bundle(o.request_id)
                 first[o.request_id] = list(o.outputs[0].token_ids)
                 running = decode.num_running
-                decode.add_transferred_request(o.request_id, {"prompt_token_ids": bundle.meta["prompt_token_ids"]},
-                                               greedy, bundle)
-                t = decode.scheduler.waiting[-1].transferred
+                decode.pd.add_transferred_request(o.request_id, {"prompt_token_ids": bundle.meta["prompt_token_ids"]},
+                                                  greedy, bundle)
+                t = computed_elsewhere(decode.scheduler.waiting[-1]).transferred
                 moves.append([t.num_held_blocks, len(prompts[int(o.request_id.split(":")[1])]), t.bytes_moved,
                               t.min_bytes, running])
             if decode.has_unfinished_requests():
@@ -181,11 +182,11 @@ PROMPT = {"prompt_token_ids": list(range(3, 40))}
 def _prefilled(engine, request_id: str, params=None):
     from qnext import SamplingParams
 
-    engine.add_prefill_request(request_id, PROMPT, params or SamplingParams(**GREEDY))
+    engine.pd.add_prefill_request(request_id, PROMPT, params or SamplingParams(**GREEDY))
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()
-    return outputs, engine.take_prefill_bundle(request_id)
+    return outputs, engine.pd.take_prefill_bundle(request_id)
 
 
 def test_refusals_say_why_and_an_aborted_transfer_releases_its_blocks(engine):
@@ -195,16 +196,16 @@ def test_refusals_say_why_and_an_aborted_transfer_releases_its_blocks(engine):
 
     greedy = SamplingParams(**GREEDY)
     with pytest.raises(ValueError, match="n=1"):
-        engine.add_prefill_request("two", PROMPT, SamplingParams(n=2, max_tokens=3))
+        engine.pd.add_prefill_request("two", PROMPT, SamplingParams(n=2, max_tokens=3))
     _, bundle = _prefilled(engine, "a")
-    assert engine.take_prefill_bundle("a") is None                     # taken once
+    assert engine.pd.take_prefill_bundle("a") is None                     # taken once
     with pytest.raises(ValueError, match="is not this request's"):
-        engine.add_transferred_request("b", {"prompt_token_ids": list(range(4, 41))}, greedy, bundle)
+        engine.pd.add_transferred_request("b", {"prompt_token_ids": list(range(4, 41))}, greedy, bundle)
     other = dataclasses.replace(bundle, meta={**bundle.meta, "layout": {**bundle.meta["layout"], "block_size": 8}})
     with pytest.raises(ValueError, match="block_size=8"):
-        engine.add_transferred_request("b", PROMPT, greedy, other)
+        engine.pd.add_transferred_request("b", PROMPT, greedy, other)
     free = engine.cache.manager.num_free_blocks
-    engine.add_transferred_request("b", PROMPT, greedy, bundle)        # holds its 2 cached full blocks
+    engine.pd.add_transferred_request("b", PROMPT, greedy, bundle)        # holds its 2 cached full blocks
     assert engine.cache.manager.num_free_blocks == free - 2
     engine.abort_request("b")
     assert engine.cache.manager.num_free_blocks == free
@@ -234,22 +235,22 @@ def test_a_lying_or_unfit_prefill_side_is_refused_before_its_arrays_touch_the_ca
     # another model (a fine-tune of the same base: same shapes, other weights)
     liar = _Source(bundle, {**bundle.meta, "model_identity": "0" * 32})
     with pytest.raises(PeerMismatchError, match="computes another model"):
-        engine.add_transferred_request("d", PROMPT, greedy, liar)
+        engine.pd.add_transferred_request("d", PROMPT, greedy, liar)
     # a bundle claiming a million blocks (the decode side would pull whatever size it was told)
     with pytest.raises(PeerMismatchError, match="1000000 blocks for 3"):
-        engine.add_transferred_request("d", PROMPT, greedy, _Source(bundle, {**bundle.meta, "num_blocks": 10**6}))
+        engine.pd.add_transferred_request("d", PROMPT, greedy, _Source(bundle, {**bundle.meta, "num_blocks": 10**6}))
     # a first token that ends the request here (max_tokens 1 on the decode side only): the client's error, seen
     # before anything is held or fetched
     ends = _Source(bundle)
     with pytest.raises(ValueError, match="the first token ends this request here"):
-        engine.add_transferred_request("d", PROMPT, SamplingParams(temperature=0, max_tokens=1), ends)
+        engine.pd.add_transferred_request("d", PROMPT, SamplingParams(temperature=0, max_tokens=1), ends)
     assert ends.fetched == [] and liar.fetched == []
     # arrays shorter than the metadata announced (a state row cut short)
     for name in ("conv.0", "recurrent.0"):
         with pytest.raises(PeerMismatchError, match=f"sent {name} as"):
-            engine.add_transferred_request("d", PROMPT, greedy, _Source(bundle, short=name))
+            engine.pd.add_transferred_request("d", PROMPT, greedy, _Source(bundle, short=name))
     assert engine.cache.manager.num_free_blocks == free and not engine.has_unfinished_requests()
-    engine.add_transferred_request("d", PROMPT, greedy, _Source(bundle))         # the truth still goes through
+    engine.pd.add_transferred_request("d", PROMPT, greedy, _Source(bundle))         # the truth still goes through
     while engine.has_unfinished_requests():
         engine.step()
 
@@ -261,16 +262,16 @@ def test_prefill_bundles_are_bounded_and_none_is_made_for_a_request_the_first_to
     outputs, bundle = _prefilled(engine, "one-token", SamplingParams(temperature=0, max_tokens=1))
     assert outputs[-1].outputs[0].finish_reason == "length" and bundle is None
     _, first = _prefilled(engine, "e")
-    engine.prefill_exports.limit(ttl_s=60, max_bytes=bundle_nbytes(first.arrays) + 1)   # room for one bundle
+    engine.pd.exports.limit(ttl_s=60, max_bytes=bundle_nbytes(first.arrays) + 1)   # room for one bundle
     try:
         for rid in ("f", "g"):
-            engine.add_prefill_request(rid, PROMPT, SamplingParams(**GREEDY))
+            engine.pd.add_prefill_request(rid, PROMPT, SamplingParams(**GREEDY))
             while engine.has_unfinished_requests():
                 engine.step()
-        assert engine.take_prefill_bundle("f") is None and engine.take_prefill_bundle("g") is not None
-        engine.prefill_exports.limit(ttl_s=1e-3, max_bytes=1 << 30)
+        assert engine.pd.take_prefill_bundle("f") is None and engine.pd.take_prefill_bundle("g") is not None
+        engine.pd.exports.limit(ttl_s=1e-3, max_bytes=1 << 30)
         _prefilled(engine, "h")
         time.sleep(0.01)
-        assert engine.take_prefill_bundle("h") is None                 # expired
+        assert engine.pd.take_prefill_bundle("h") is None                 # expired
     finally:
-        engine.prefill_exports.limit(ttl_s=120, max_bytes=1 << 30)
+        engine.pd.exports.limit(ttl_s=120, max_bytes=1 << 30)

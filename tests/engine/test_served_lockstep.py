@@ -11,6 +11,7 @@ import pytest
 
 from qnext.distributed.served_lockstep import RanksDivergedError, ServedLockstepEngine
 from qnext.outputs import CompletionOutput, RequestOutput
+from qnext.served_engine import EngineSnapshot, ServedEngine, ServedModel
 from qnext.server.engine_loop import AsyncEngine
 
 REFUSED = 666          # a prompt holding this token id passes tokenize + validate, and add_request refuses it
@@ -21,7 +22,7 @@ class _Counters:
     num_steps: int = 0
 
 
-class PictureCheckingEngine:
+class PictureCheckingEngine(ServedEngine):
     """The engine surface AsyncEngine and ServedLockstepEngine use; a request finishes at its first step."""
 
     def __init__(self):
@@ -58,8 +59,18 @@ class PictureCheckingEngine:
     def running_request_ids(self):
         return list(self.requests)
 
-    def stream_text(self, request_id, index):
+    def stream_text(self, request_id, index=0):
         return ""
+
+    def take_failed_requests(self):
+        return []
+
+    @property
+    def served_model(self):
+        return ServedModel(None, max_model_len=64, vocab_size=1000, block_size=4, num_blocks=16)
+
+    def status(self):
+        return EngineSnapshot(self.num_running, self.num_waiting)
 
     def close(self):
         pass

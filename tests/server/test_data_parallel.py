@@ -9,41 +9,57 @@ import pytest
 
 from cache.hashing import block_hashes
 from cache.image_keys import ImageSpan
-from qnext.server.data_parallel import PrefixRouter
+from qnext.served_engine import ServedModel
+from qnext.server.data_parallel import prompt_chain
+from qnext.server.prefix_affinity import PrefixAffinity
+
+MODEL = ServedModel(None, max_model_len=128, vocab_size=512, block_size=4, num_blocks=100)
 
 
-def test_cache_aware_router_prefers_the_longest_prefix_then_the_least_loaded():
+def chain(token_ids, images=()):
+    return prompt_chain(MODEL, token_ids, images)
+
+
+def test_cache_aware_routing_prefers_the_longest_prefix_then_the_least_loaded():
     loads = [0, 0]
-    router = PrefixRouter(2, block_size=4, capacity_blocks=100, load_of=lambda i: loads[i])
+    router = PrefixAffinity(2, capacity_keys=100, load_of=lambda i: loads[i])
     chat = list(range(10, 30))
-    assert router.order(chat)[0] == 0                    # nothing cached, equal loads: the first
-    router.record(0, chat)
+    assert router.order(chain(chat))[0] == 0             # nothing cached, equal loads: the first
+    router.sent(0, chain(chat))
     loads[0] = 5                                         # busier, but it holds the prefix
-    assert router.order(chat + [7, 8, 9, 10])[0] == 0
-    assert router.order(list(range(100, 120)))[0] == 1   # no match anywhere: the least loaded
-    router.record(1, chat[:8])
-    assert router.matched_blocks(1, block_hashes(chat, 4)) == 2
-    assert router.order(chat)[0] == 0                    # 5 blocks beat 2
+    assert router.order(chain(chat + [7, 8, 9, 10]))[0] == 0
+    assert router.order(chain(list(range(100, 120))))[0] == 1   # no match anywhere: the least loaded
+    router.record(1, chain(chat[:8]))
+    assert router.matched(1, block_hashes(chat, 4)) == 2
+    assert router.order(chain(chat))[0] == 0             # 5 blocks beat 2
+
+
+def test_with_no_prefix_held_and_equal_loads_the_replica_chosen_least_recently_goes_first():
+    router = PrefixAffinity(2, capacity_keys=100)
+    first = router.order(chain(list(range(8))))[0]
+    router.sent(first, chain(list(range(8))))
+    assert router.order(chain(list(range(50, 58))))[0] == 1 - first
+    assert router.order(chain(list(range(8)) + [1, 2, 3, 4]))[0] == first        # a held prefix still comes first
 
 
 def test_router_forgets_the_least_recently_sent_blocks_beyond_the_replica_capacity():
-    router = PrefixRouter(2, block_size=4, capacity_blocks=3)
+    router = PrefixAffinity(2, capacity_keys=3)
     old, new = list(range(12)), list(range(50, 62))
-    router.record(0, old)
-    router.record(0, new)
-    assert router.matched_blocks(0, block_hashes(old, 4)) == 0 and router.matched_blocks(0, block_hashes(new, 4)) == 3
+    router.record(0, chain(old))
+    router.record(0, chain(new))
+    assert router.matched(0, block_hashes(old, 4)) == 0 and router.matched(0, block_hashes(new, 4)) == 3
 
 
 def test_router_keys_a_pictures_blocks_on_the_picture():
     """Equal token ids with another picture share only the blocks before the picture, as in the engine's cache."""
-    router = PrefixRouter(2, block_size=4, capacity_blocks=100)
+    router = PrefixAffinity(2, capacity_keys=100)
     ids = list(range(10, 18)) + [99] * 8 + [20, 21, 22, 23]         # the picture's pads fill blocks 2 and 3
     one, other = ImageSpan(8, 8, bytes(32)), ImageSpan(8, 8, bytes(31) + b"\1")
-    router.record(0, ids, [one])
-    assert router.matched_blocks(0, block_hashes(ids, 4, images=[one])) == 5
-    assert router.matched_blocks(0, block_hashes(ids, 4, images=[other])) == 2
-    router.record(1, ids, [other])
-    assert router.order(ids, [one])[0] == 0 and router.order(ids, [other])[0] == 1
+    router.record(0, chain(ids, [one]))
+    assert router.matched(0, block_hashes(ids, 4, images=[one])) == 5
+    assert router.matched(0, block_hashes(ids, 4, images=[other])) == 2
+    router.record(1, chain(ids, [other]))
+    assert router.order(chain(ids, [one]))[0] == 0 and router.order(chain(ids, [other]))[0] == 1
 
 
 def test_router_keys_a_lora_adapters_blocks_on_its_weights(tiny_checkpoint, tmp_path):
@@ -69,10 +85,10 @@ def test_router_keys_a_lora_adapters_blocks_on_its_weights(tiny_checkpoint, tmp_
 
 
 def test_round_robin_takes_turns_and_bad_policies_are_refused():
-    router = PrefixRouter(3, block_size=4, capacity_blocks=10, policy="round_robin")
-    assert [router.order([1, 2, 3, 4])[0] for _ in range(4)] == [0, 1, 2, 0]
+    router = PrefixAffinity(3, capacity_keys=10, policy="round_robin")
+    assert [router.order(chain([1, 2, 3, 4]))[0] for _ in range(4)] == [0, 1, 2, 0]
     with pytest.raises(ValueError, match="routing policy must be one of"):
-        PrefixRouter(2, block_size=4, capacity_blocks=10, policy="random")
+        PrefixAffinity(2, capacity_keys=10, policy="random")
 
 
 def test_two_replicas_serve_a_chat_from_the_cache_and_answer_everything(tiny_checkpoint):
@@ -85,7 +101,7 @@ def test_two_replicas_serve_a_chat_from_the_cache_and_answer_everything(tiny_che
     path = tiny_checkpoint("qwen3_5")
     engines = [qnext.LLM(path, **options).engine for _ in range(2)]
     # one waiting request per replica at most: a burst must spill over to the other replica, never fail
-    dp = DataParallelEngine(engines, max_waiting_requests=1, model_name="tiny", routing="cache_aware")
+    dp = DataParallelEngine.of_threads(engines, max_waiting_requests=1, model_name="tiny", routing="cache_aware")
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 

@@ -1,11 +1,11 @@
-"""The pd-router's choice of servers (qnext/server/pd_choice.py): a conversation's next turn goes back to the server
-its earlier turns went to, new conversations spread over the least busy servers, completions chain on their text,
+"""The pd-router's choice of servers (qnext/server/pd_choice.py over the one prefix affinity router,
+prefix_affinity.py): a conversation's next turn goes back to the server its earlier turns went to, new conversations spread over the least busy servers, completions chain on their text,
 the memory stays bounded, and bad server lists are refused."""
 from __future__ import annotations
 
 import pytest
 
-from qnext.server.pd_choice import InstanceChooser, prefix_chain
+from qnext.server.pd_choice import ServerPool, prefix_chain
 
 
 def chat(*turns: str, tools=None) -> dict:
@@ -16,7 +16,7 @@ def chat(*turns: str, tools=None) -> dict:
 
 
 def test_a_conversations_next_turn_goes_where_its_earlier_turns_went():
-    chooser = InstanceChooser(["http://a", "http://b", "http://c"])
+    chooser = ServerPool(["http://a", "http://b", "http://c"])
     first = {name: chooser.choose(prefix_chain(chat(name))) for name in ("x", "y", "z")}
     assert sorted(first.values()) == [0, 1, 2]                  # three new conversations, three servers
     for name in ("z", "x", "y"):
@@ -25,7 +25,7 @@ def test_a_conversations_next_turn_goes_where_its_earlier_turns_went():
 
 
 def test_new_conversations_go_to_the_least_busy_server():
-    chooser = InstanceChooser(["http://a", "http://b"])
+    chooser = ServerPool(["http://a", "http://b"])
     chooser.started(0)
     chooser.started(0)
     assert chooser.choose(prefix_chain(chat("new"))) == 1
@@ -46,15 +46,25 @@ def test_the_chain_depends_on_every_earlier_piece_and_on_the_tools():
 
 
 def test_memory_is_bounded_and_forgets_the_least_recent_first():
-    chooser = InstanceChooser(["http://a", "http://b"], max_keys=4)
-    chooser.choose(prefix_chain(chat("old")))
+    chooser = ServerPool(["http://a"], max_keys=4)
+    old = prefix_chain(chat("old"))
+    chooser.choose(old)
+    assert chooser.affinity.matched(0, old) == 1
     for i in range(4):
         chooser.choose(prefix_chain(chat(f"new{i}")))
-    assert len(chooser._owner) == 4
-    assert prefix_chain(chat("old"))[0] not in chooser._owner
+    assert chooser.affinity.matched(0, old) == 0
+    assert chooser.affinity.matched(0, prefix_chain(chat("new3"))) == 1
+
+
+def test_a_longer_shared_prefix_beats_a_shorter_one():
+    chooser = ServerPool(["http://a", "http://b"])
+    assert chooser.choose(prefix_chain(chat("x", "y", "z"))) == 0
+    assert chooser.choose(prefix_chain(chat("x", "w"))) == 0     # shares "x" with server a only
+    chooser.affinity.record(1, prefix_chain(chat("x", "y")))
+    assert chooser.choose(prefix_chain(chat("x", "y", "z", "more"))) == 0      # 3 keys at a beat 2 at b
 
 
 @pytest.mark.parametrize("urls, message", [([], "at least one"), (["http://a", "http://a"], "twice")])
 def test_bad_server_lists_are_refused(urls, message):
     with pytest.raises(ValueError, match=message):
-        InstanceChooser(urls)
+        ServerPool(urls)

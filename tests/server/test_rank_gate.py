@@ -15,7 +15,9 @@ import pytest
 
 from qnext.distributed.rank_handshake import RankCredentials, introduce
 from qnext.distributed.rank_heartbeat import RankMonitor
-from qnext.server.engine_loop import AsyncEngine, EngineStoppedError
+from qnext.served_engine import EngineSnapshot, ServedEngine, ServedModel
+from qnext.server.engine_errors import EngineStoppedError
+from qnext.server.engine_loop import AsyncEngine
 from qnext.server.launch import free_port
 from qnext.server.multinode import watch_ranks
 from qnext.server.rank_gate import RankGate
@@ -67,7 +69,7 @@ class _Counters:
     num_steps: int = 0
 
 
-class StuckEngine:
+class StuckEngine(ServedEngine):
     """The engine methods AsyncEngine uses; step() blocks until released, like a collective waiting for a rank that
     hangs."""
 
@@ -96,8 +98,21 @@ class StuckEngine:
     def running_request_ids(self):
         return list(self.requests)
 
-    def cache_usage(self):
-        return {}
+    def take_failed_requests(self):
+        return []
+
+    def stream_text(self, request_id, index=0):
+        return ""
+
+    @property
+    def served_model(self):
+        return ServedModel(None, max_model_len=64, vocab_size=100, block_size=4, num_blocks=16)
+
+    def status(self):
+        return EngineSnapshot(self.num_running, self.num_waiting)
+
+    def close(self):
+        pass
 
 
 def test_a_hung_rank_fails_the_requests_in_flight_and_the_gate_answers_503():

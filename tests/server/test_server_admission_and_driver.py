@@ -13,7 +13,7 @@ from qnext.agents.events import ContentDelta, ToolCallStart
 from qnext.outputs import CompletionOutput, RequestOutput
 from qnext.sampling_params import SamplingParams
 from qnext.server.admission import Admission
-from qnext.server.engine_loop import EngineStepError
+from qnext.server.engine_errors import EngineStepError
 from qnext.server.errors import APIError
 from qnext.server.request_stream import StreamDelta
 from qnext.server.stream_driver import ChoiceParsers, OutputSink, drive, respond

@@ -9,7 +9,9 @@ import pytest
 
 from qnext.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from qnext.sampling_params import SamplingParams
-from qnext.server.engine_loop import AsyncEngine, EngineStepError, EngineStoppedError, QueueFullError, RequestError
+from qnext.served_engine import EngineSnapshot, ServedEngine, ServedModel
+from qnext.server.engine_errors import EngineStepError, EngineStoppedError, QueueFullError, RequestError
+from qnext.server.engine_loop import AsyncEngine
 
 
 @dataclasses.dataclass
@@ -17,7 +19,7 @@ class _Stats:
     num_steps: int = 0
 
 
-class FakeEngine:
+class FakeEngine(ServedEngine):
     """One token (the step number) per live request per step; `max_tokens` of them, then finished. A request
     waits until its first token."""
 
@@ -78,8 +80,16 @@ class FakeEngine:
     def running_request_ids(self):
         return [rid for rid, r in self.requests.items() if r["finished"] is None and r["tokens"]]
 
-    def cache_usage(self):
-        return {}
+    @property
+    def served_model(self):
+        return ServedModel(None, max_model_len=64, vocab_size=100, block_size=4, num_blocks=16)
+
+    def status(self):
+        return EngineSnapshot(self.num_running, self.num_waiting, dataclasses.asdict(self.cache_stats),
+                              dataclasses.asdict(self.stats))
+
+    def close(self):
+        pass
 
     @property
     def num_running(self):

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 import qnext
+from qnext.served_engine import ForwardingEngine
 from qnext.server.app import build_app
 from qnext.testing.inprocess_server import serve_in_thread
 from qnext.testing.tiny_checkpoint import demo_checkpoint_dir
@@ -23,17 +24,14 @@ CHAT = [{"role": "system", "content": "You answer in short sentences about the w
 MAX_TOKENS = 10
 
 
-class ControlledEngine:
+class ControlledEngine(ForwardingEngine):
     """An LLMEngine whose step() can be held (gate cleared) or made to raise once (fail_next_step)."""
 
     def __init__(self, engine):
-        self.inner = engine
+        super().__init__(engine)
         self.gate = threading.Event()
         self.gate.set()
         self.fail_next_step = False
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
 
     def step(self):
         if not self.gate.wait(timeout=60):
@@ -72,7 +70,8 @@ def test_greedy_over_http_equals_llm_generate(served):
 
 
 def _idle(engine) -> bool:
-    return engine.num_running == 0 and engine.num_waiting == 0 and not engine.has_unfinished_requests()
+    snap = engine.status()
+    return snap.num_running == 0 and snap.num_waiting == 0 and not engine.has_unfinished_requests()
 
 
 def test_step_exception_fails_running_requests_with_500_and_serving_goes_on(served):
@@ -91,7 +90,7 @@ def test_step_exception_fails_running_requests_with_500_and_serving_goes_on(serv
             worker = threading.Thread(target=non_streamed)
             worker.start()
             deadline = time.monotonic() + 30
-            while engine.num_running < 2:                 # both running before the failure
+            while engine.status().num_running < 2:                 # both running before the failure
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             engine.fail_next_step = True
