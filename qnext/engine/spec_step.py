@@ -81,12 +81,14 @@ def verify_inputs(windows, read_rows, write_rows, tables, starts, rows: int, len
 
 
 @functools.lru_cache(maxsize=None)
-def make_spec_step(cfg: ModelConfig, num_speculative_tokens: int, block_size: int):
+def make_spec_step(cfg: ModelConfig, num_speculative_tokens: int, block_size: int, with_head: bool = True):
     """jit(params, mtp, buffers, inputs, window, sampling, num_logprobs=None) -> (tokens [D, k + 1] int32, ran [D]
     int32 tokens each row keeps, next drafts [D, k] int32, buffers, logprobs); sampling: the rows' SamplingTensors,
     or None when every row needs no tensors (plain greedy); num_logprobs (static): `sample`'s K for the emitted
     tokens' logprobs, a SamplerOutput whose fields are [D, k + 1, ...] (the target's raw logits at each window
-    position, as plain decoding reports them), or None for none. Cache buffers are donated."""
+    position, as plain decoding reports them), or None for none. Cache buffers are donated.
+    with_head False (drafts chosen on the host, Drafter.uses_head): the verify pass alone; the head neither runs
+    nor writes its KV, and the next drafts are zeros."""
     k = num_speculative_tokens
 
     def run(params, mtp, buffers, inputs: StepInputs, window: WindowInputs, sampling: SamplingTensors | None,
@@ -107,16 +109,18 @@ def make_spec_step(cfg: ModelConfig, num_speculative_tokens: int, block_size: in
         capture_row = jnp.max(window.capture_row, axis=1)
         buffers = commit_positions(pending, keep, pre.write_row, capture_at, capture_row)
 
+        logprobs = None
+        if num_logprobs is not None:
+            flat = token_logprobs(logits.reshape(d * (k + 1), -1), acc.tokens.reshape(-1), num_logprobs)
+            logprobs = jax.tree.map(lambda x: x.reshape(d, k + 1, *x.shape[1:]), flat)
+        if not with_head:
+            return acc.tokens, ran, jnp.zeros((d, k), jnp.int32), buffers, logprobs
         # the head over the window: slot j takes kept token j (later slots are provisional, overwritten later)
         next_ids = jnp.concatenate([acc.tokens, jnp.repeat(acc.tokens[:, -1:], length - k - 1, axis=1)], axis=1)
         own, kv = mtp_layer(params, mtp, buffers.kv[-1], next_ids.reshape(-1), hidden, inputs, cfg)
         last = jnp.arange(d) * length + jnp.maximum(keep, 0)
         drafts, kv = draft_chain(params, mtp, kv, own[last], inputs.positions[last], pre.block_table, ran > 0, k,
                                  cfg, block_size, 1)
-        logprobs = None
-        if num_logprobs is not None:
-            flat = token_logprobs(logits.reshape(d * (k + 1), -1), acc.tokens.reshape(-1), num_logprobs)
-            logprobs = jax.tree.map(lambda x: x.reshape(d, k + 1, *x.shape[1:]), flat)
         return acc.tokens, ran, drafts, replace_kv(buffers, kv), logprobs
 
     return jax.jit(run, donate_argnums=(2,), static_argnames=("num_logprobs",))
