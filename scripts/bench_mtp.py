@@ -10,9 +10,9 @@ Prompts are random tokens drawn apart from train_mtp.py's (held out), or with --
 for a trained-target `<preset>-lm` checkpoint of scripts/train_bench_target.py) windows of the text corpus's held-out
 files (qnext/bench/text_corpus.py), which neither the target nor the head trained on; the engines must emit the same
 tokens (greedy), which the bench checks. Each k runs twice: with its head's drafts, and on an engine whose drafter
-gives oracle drafts (the plain run's own next tokens: every draft agrees), the ceiling of what the step itself can
-give. With a draft token map (--token-map; train_mtp.py writes one) each k also runs with the head drafting over the
-map's ids only.
+gives oracle drafts (the plain run's own next tokens: every draft agrees, chosen on the host, so the head does not
+run), the ceiling of what the verify step itself can give (--drafts picks either). With a draft token map
+(--token-map; train_mtp.py writes one) each k also runs with the head drafting over the map's ids only.
 Best of --repeats.
 
 Two throughputs per row: tokens/s over the whole run (prefill steps included), and decode tokens/s (vLLM's
@@ -54,6 +54,9 @@ def parse_args(argv=None):
     p.add_argument("--token-map", default="auto",
                    help="also run each k with this draft token map (speculative_config's speculative_token_map; "
                         "auto: the checkpoint's mtp_token_map.npy when train_mtp.py wrote one; none: skip)")
+    p.add_argument("--drafts", default="head,oracle",
+                   help="which drafters run each k: head (the MTP head's), oracle (the plain run's own next tokens, "
+                        "chosen on the host: the verify step alone), or both")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--json-out", type=Path)
@@ -139,12 +142,17 @@ def main(argv=None) -> dict:
     plain = LLM(path, **common)
     continuations = {}                           # the plain run's tokens of each batch's prompts: oracle drafts
     spec = {}
+    drafters = set(args.drafts.split(","))
+    if not drafters or drafters - {"head", "oracle"}:
+        raise SystemExit(f"--drafts takes head, oracle or both, got {args.drafts!r}")
     for k in ks:
         config = {"method": "mtp", "num_speculative_tokens": k}
-        spec[(k, "head")] = LLM(path, speculative_config=config, **common)
-        spec[(k, "oracle")] = LLM(path, speculative_config=config, **common,
-                                  drafter=oracle_drafter(continuation_drafts(continuations, k)))
-    token_map = resolve_token_map(args.token_map, path)
+        if "head" in drafters:
+            spec[(k, "head")] = LLM(path, speculative_config=config, **common)
+        if "oracle" in drafters:
+            spec[(k, "oracle")] = LLM(path, speculative_config=config, **common,
+                                      drafter=oracle_drafter(continuation_drafts(continuations, k)))
+    token_map = resolve_token_map(args.token_map, path) if "head" in drafters else None
     if token_map is not None:
         size = len(np.load(token_map)) if token_map.endswith(".npy") else len(json.loads(Path(token_map).read_text()))
         spec.update({(k, f"head, token map {size}"): LLM(path, speculative_config={

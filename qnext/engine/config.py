@@ -11,7 +11,7 @@ from qnext.model.rope import position_limit, position_limit_error
 
 SPECULATIVE_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")   # vLLM's names for the same head
 SPECULATIVE_KEYS = {"method", "num_speculative_tokens", "disable_by_batch_size", "speculative_token_map"}
-MAX_SPECULATIVE_TOKENS = 7             # a verify window of k + 1 tokens stays within one 8-row group
+MAX_SPECULATIVE_TOKENS = 15            # and k + 1 <= block_size: a verify window spans at most one block boundary
 
 
 @dataclasses.dataclass(frozen=True)
