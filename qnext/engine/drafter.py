@@ -40,7 +40,7 @@ class Drafter:
         s = bucket.sizes
         windows = [[it.segment.token_ids[0]] + window.drafts[i, :window.steps[i] - 1].tolist()
                    for i, it in enumerate(items)]
-        length = window_length(self.num_speculative_tokens, self.cfg.backend)
+        length = window_length(self.num_speculative_tokens, self.cfg.backend, s.num_decode)
         inputs = verify_inputs(windows, [it.segment.read_row for it in items], [it.segment.write_row for it in items],
                                [it.segment.block_table for it in items], [it.start for it in items], s.num_decode,
                                length, s.max_blocks, self.config.block_size)

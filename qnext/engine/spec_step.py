@@ -35,11 +35,19 @@ from qnext.model.step_inputs import RowGroups, StepInputs
 from qnext.model.verify import commit_positions, verify_deltanet
 
 
-def window_length(num_speculative_tokens: int, backend: str) -> int:
-    """Rows of a verify window: k + 1 tokens, rounded up to a power of two on GPUs (the Pallas kernels' group
-    shapes); on CPU exactly k + 1 (padding rows would cost their matmul rows)."""
+def window_length(num_speculative_tokens: int, backend: str, rows: int = 1) -> int:
+    """Positions of each of `rows` verify windows: k + 1 tokens, rounded up to a power of two on GPUs (the Pallas
+    kernels' group shapes). On CPU, k + 1 while the step has at most 4 tokens, else rounded up so that the step's
+    rows x length tokens are a multiple of 8: XLA:CPU's GEMM over the weights costs by groups of rows (this CPU,
+    the small preset's weights at 1 / 4 / 5-7 / 8 / 9-12 / 16 rows: 15 / 19 / 30 / 24 / 39 / 34 ms), so 8 rows
+    cost less than 5 and 16 less than 9 (a padding position is a token of length 0: KV slot 0, never kept)."""
     k = num_speculative_tokens
-    return k + 1 if backend == "cpu" else 1 << k.bit_length()
+    if backend != "cpu":
+        return 1 << k.bit_length()
+    length = k + 1
+    while rows * length > 4 and rows * length % 8:
+        length += 1
+    return length
 
 
 @struct.dataclass
