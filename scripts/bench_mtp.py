@@ -10,9 +10,9 @@ Prompts are random tokens drawn apart from train_mtp.py's (held out), or with --
 for a trained-target `<preset>-lm` checkpoint of scripts/train_bench_target.py) windows of the text corpus's held-out
 files (qnext/bench/text_corpus.py), which neither the target nor the head trained on; the engines must emit the same
 tokens (greedy), which the bench checks. Each k runs twice: with its head's drafts, and on an engine whose drafter
-gives oracle drafts (the plain run's own next tokens: every draft agrees), the ceiling of what the step itself can
-give. With a draft token map (--token-map; train_mtp.py writes one) each k also runs with the head drafting over the
-map's ids only.
+gives oracle drafts (the plain run's own next tokens: every draft agrees, chosen on the host, so the head does not
+run), the ceiling of what the verify step itself can give (--drafts picks either). With a draft token map
+(--token-map; train_mtp.py writes one) each k also runs with the head drafting over the map's ids only.
 Best of --repeats.
 
 Two throughputs per row: tokens/s over the whole run (prefill steps included), and decode tokens/s (vLLM's
@@ -54,15 +54,21 @@ def parse_args(argv=None):
     p.add_argument("--token-map", default="auto",
                    help="also run each k with this draft token map (speculative_config's speculative_token_map; "
                         "auto: the checkpoint's mtp_token_map.npy when train_mtp.py wrote one; none: skip)")
+    p.add_argument("--drafts", default="head,oracle",
+                   help="which drafters run each k: head (the MTP head's), oracle (the plain run's own next tokens, "
+                        "chosen on the host: the verify step alone), or both")
+    p.add_argument("--clock", choices=("wall", "process"), default="wall",
+                   help="what a step's time is: wall seconds, or this process's CPU seconds (all its threads: the "
+                        "work a step did, for a machine shared with other jobs, where wall time is mostly waiting)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--json-out", type=Path)
     return p.parse_args(argv)
 
 
-def run(llm, groups: list[list[list[int]]], output_len: int) -> dict:
+def run(llm, groups: list[list[list[int]]], output_len: int, clock=time.perf_counter) -> dict:
     """Greedy generation of each group of prompts as one batch, group after group, step by step: wall time,
-    tokens (all groups' prompts in order), and each step's time by kind."""
+    tokens (all groups' prompts in order), and each step's time by kind (by `clock`)."""
     from qnext import SamplingParams
 
     engine, stats = llm.engine, llm.engine.stats
@@ -74,19 +80,19 @@ def run(llm, groups: list[list[list[int]]], output_len: int) -> dict:
         for rid, prompt in zip(ids, prompts):
             engine.add_request(rid, {"prompt_token_ids": prompt}, params)
         outputs = {}
-        start = time.perf_counter()
+        start = clock()
         while engine.has_unfinished_requests():
             rows, prefill = stats.num_spec_rows, stats.num_prefill_tokens
-            t0 = time.perf_counter()
+            t0 = clock()
             for out in engine.step():
                 if out.finished:
                     outputs[out.request_id] = out.outputs[0].token_ids
-            dt = time.perf_counter() - t0
+            dt = clock() - t0
             kind = "spec" if stats.num_spec_rows > rows else "other" if stats.num_prefill_tokens > prefill else "decode"
             steps[kind].append(dt)
             if kind == "other":                 # prefill steps: the prompts' first tokens (and the head's catch-up)
                 first_token_wall += dt
-        wall += time.perf_counter() - start
+        wall += clock() - start
         for rid in ids:
             engine.release(rid)
         tokens += [outputs[rid] for rid in ids]
@@ -97,11 +103,11 @@ def run(llm, groups: list[list[list[int]]], output_len: int) -> dict:
             "num_steps": {k: len(v) for k, v in steps.items()}}
 
 
-def best_of(llm, prompts, output_len: int, repeats: int) -> dict:
+def best_of(llm, prompts, output_len: int, repeats: int, clock=time.perf_counter) -> dict:
     """The fastest of `repeats` runs, with the acceptance length over all of them."""
     stats = llm.engine.stats
     rows, accepted = stats.num_spec_rows, stats.num_accepted_draft_tokens
-    runs = [run(llm, prompts, output_len) for _ in range(repeats)]
+    runs = [run(llm, prompts, output_len, clock) for _ in range(repeats)]
     best = max(runs, key=lambda r: r["tok_s"])
     best["decode_tok_s"] = max(r["decode_tok_s"] for r in runs)
     spec_rows = stats.num_spec_rows - rows
@@ -139,12 +145,17 @@ def main(argv=None) -> dict:
     plain = LLM(path, **common)
     continuations = {}                           # the plain run's tokens of each batch's prompts: oracle drafts
     spec = {}
+    drafters = set(args.drafts.split(","))
+    if not drafters or drafters - {"head", "oracle"}:
+        raise SystemExit(f"--drafts takes head, oracle or both, got {args.drafts!r}")
     for k in ks:
         config = {"method": "mtp", "num_speculative_tokens": k}
-        spec[(k, "head")] = LLM(path, speculative_config=config, **common)
-        spec[(k, "oracle")] = LLM(path, speculative_config=config, **common,
-                                  drafter=oracle_drafter(continuation_drafts(continuations, k)))
-    token_map = resolve_token_map(args.token_map, path)
+        if "head" in drafters:
+            spec[(k, "head")] = LLM(path, speculative_config=config, **common)
+        if "oracle" in drafters:
+            spec[(k, "oracle")] = LLM(path, speculative_config=config, **common,
+                                      drafter=oracle_drafter(continuation_drafts(continuations, k)))
+    token_map = resolve_token_map(args.token_map, path) if "head" in drafters else None
     if token_map is not None:
         size = len(np.load(token_map)) if token_map.endswith(".npy") else len(json.loads(Path(token_map).read_text()))
         spec.update({(k, f"head, token map {size}"): LLM(path, speculative_config={
@@ -154,21 +165,22 @@ def main(argv=None) -> dict:
         spec.update({(k, f"head, disable_by_batch_size={limit}"): LLM(path, speculative_config={
             "method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": limit}, **common) for k in ks})
     freeze_startup_heap()
+    clock = time.process_time if args.clock == "process" else time.perf_counter
     rng = np.random.default_rng(12345)           # train_mtp.py draws its prompts from seed 0
     source = args.prompt_source if args.prompt_source != "auto" else "corpus" if is_lm_checkpoint(path) else "random"
     corpus = load_corpus(path) if source == "corpus" else None          # tokenised once, for every batch size
-    report = {"model": str(path), "prompt_source": source, "prompt_len": args.prompt_len,
+    report = {"model": str(path), "clock": args.clock, "prompt_source": source, "prompt_len": args.prompt_len,
               "output_len": args.output_len, "dtype": args.dtype, "rows": []}
     for b in batches:
         prompts = held_out_prompts(corpus, cfg, b * args.rounds, args.prompt_len, rng)
         groups = [prompts[i:i + b] for i in range(0, len(prompts), b)]
         for llm in [plain, *spec.values()]:                     # compile this batch's shapes, untimed
             run(llm, groups[:1], 4)
-        base = best_of(plain, groups, args.output_len, args.repeats)
+        base = best_of(plain, groups, args.output_len, args.repeats, clock)
         t_decode = base["steps"]["decode"]
         continuations.update({tuple(p): t for p, t in zip(prompts, base["tokens"])})
         for (k, drafts), llm in spec.items():
-            r = best_of(llm, groups, args.output_len, args.repeats)
+            r = best_of(llm, groups, args.output_len, args.repeats, clock)
             a, t_spec = r["acceptance_length"], r["steps"]["spec"]
             row = {"batch": b, "k": k, "drafts": drafts, "plain_tok_s": base["tok_s"], "mtp_tok_s": r["tok_s"],
                    "speedup": r["tok_s"] / base["tok_s"], "plain_decode_tok_s": base["decode_tok_s"],

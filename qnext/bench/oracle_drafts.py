@@ -1,8 +1,8 @@
 """Drafts chosen from outside the MTP head, for measuring and testing speculative decoding: an engine made with
 `drafter=oracle_drafter(drafts_for)` gives each row that drafts `drafts_for(prompt, output)` after every step
-instead of the head's (output: its tokens once the step's are appended; the head still runs and writes its KV).
-With the target's own next tokens every draft agrees (the speedup's ceiling); with tokens that never agree, every
-one is rejected."""
+instead of the head's (output: its tokens once the step's are appended). The head does not run (Drafter.uses_head):
+a speculative step is the verify pass alone, as for drafts taken from the text. With the target's own next tokens
+every draft agrees (the ceiling of the verify step); with tokens that never agree, every one is rejected."""
 from __future__ import annotations
 
 from typing import Callable
@@ -14,6 +14,8 @@ DraftsFor = Callable[[list[int], list[int]], list[int]]
 
 
 class OracleDrafter(Drafter):
+    uses_head = False
+
     def __init__(self, cfg, mtp, config, drafts_for: DraftsFor):
         super().__init__(cfg, mtp, config)
         self.drafts_for = drafts_for

@@ -14,7 +14,9 @@ from qnext.model.rope import position_limit, position_limit_error
 SPECULATIVE_METHODS = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")   # vLLM's names for the same head
 SPECULATIVE_KEYS = {"method", "num_speculative_tokens", "disable_by_batch_size", "speculative_token_map",
                     *SUFFIX_KEYS, *NGRAM_KEYS}
-MAX_SPECULATIVE_TOKENS = 7             # a verify window of k + 1 tokens stays within one 8-row group
+MAX_SPECULATIVE_TOKENS = 15            # and k + 1 <= block_size: a verify window spans at most one block boundary
+HOST_DRAFT_TOKENS = 7                  # suffix drafting's default k and grammar fast-forward's most drafts a step: a
+                                       # window of 8 positions stays within one 8-row group of XLA:CPU's GEMM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +165,7 @@ class EngineConfig:
         if spec.get("method") in HOST_DRAFT_METHODS:
             host_draft_options(spec)
         # suffix decoding chooses how many it drafts; num_speculative_tokens bounds it (default: the most)
-        k = spec.get("num_speculative_tokens", MAX_SPECULATIVE_TOKENS if spec.get("method") == "suffix" else None)
+        k = spec.get("num_speculative_tokens", HOST_DRAFT_TOKENS if spec.get("method") == "suffix" else None)
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config num_speculative_tokens must be an integer in "
                              f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
@@ -223,7 +225,7 @@ class EngineConfig:
         grammar fast-forward alone 7, within one KV block; 0: no step verifies drafts."""
         if self.num_speculative_tokens:
             return self.num_speculative_tokens
-        return min(MAX_SPECULATIVE_TOKENS, self.block_size - 1) if self.grammar_fast_forward_active else 0
+        return min(HOST_DRAFT_TOKENS, self.block_size - 1) if self.grammar_fast_forward_active else 0
 
     @property
     def num_mtp_kv_layers(self) -> int:

@@ -22,6 +22,7 @@ from qnext.model.step_inputs import StepInputs
 
 class Drafter:
     uses_hidden_states = True             # the runner's plain step returns the target's hidden states for the head
+    uses_head = True     # False: `propose` chooses every draft, so the head never runs (nor writes its KV)
 
     def __init__(self, cfg: ModelConfig, mtp, config: EngineConfig):
         """mtp: the head's params (qnext/model/mtp.py), on the device in the engine's dtype."""
@@ -31,7 +32,7 @@ class Drafter:
         self.cfg, self.config, self.mtp = cfg, config, mtp
         self.num_speculative_tokens = k = config.num_speculative_tokens
         self.width = k + 1                     # a window: the row's last token and its k drafts
-        self._verify = make_spec_step(cfg, k, config.block_size)
+        self._verify = make_spec_step(cfg, k, config.block_size, with_head=self.uses_head)
         self._catch_up = make_mtp_catch_up(cfg, k, config.block_size)
         self._kv_catch_up = make_mtp_kv_catch_up(cfg) if config.speculative_max_rows is not None else None
 
@@ -40,7 +41,7 @@ class Drafter:
         s = bucket.sizes
         windows = [[it.segment.token_ids[0]] + window.drafts[i, :window.steps[i] - 1].tolist()
                    for i, it in enumerate(items)]
-        length = window_length(self.num_speculative_tokens, self.cfg.backend)
+        length = window_length(self.num_speculative_tokens, self.cfg.backend, s.num_decode)
         inputs = verify_inputs(windows, [it.segment.read_row for it in items], [it.segment.write_row for it in items],
                                [it.segment.block_table for it in items], [it.start for it in items], s.num_decode,
                                length, s.max_blocks, self.config.block_size)
@@ -59,6 +60,8 @@ class Drafter:
         (spec_step.make_mtp_catch_up). Returns (buffers, {request_id: drafts}). A step with more rows than
         disable_by_batch_size writes the head's KV only: its rows would not speculate next step either, and a row
         without drafts gets them from the catch-up of its first step in a batch small enough."""
+        if not self.uses_head:                 # `propose` fills every sampling row's drafts
+            return result.buffers, {it.seq.request_id: [] for it in plan.items if it.samples}
         sizes = plan.bucket.sizes
         next_ids = np.zeros(sizes.num_tokens, np.int32)
         flat = 0
@@ -91,6 +94,8 @@ class Drafter:
     def warm_up(self, params, bucket: Bucket, inputs: StepInputs, hidden, buffers: CacheBuffers) -> CacheBuffers:
         """Compiles the catch-up after a plain step of `bucket` (inputs, hidden: that step's), on idle inputs that
         write nothing but the dummy block. The speculative step warms up with the runner's other windows."""
+        if not self.uses_head:
+            return buffers
         s = bucket.sizes
         chain = ChainInputs(block_table=np.zeros((s.num_logits, s.max_blocks), np.int32),
                             running=np.zeros(s.num_logits, bool))

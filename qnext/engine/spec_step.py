@@ -35,11 +35,19 @@ from qnext.model.step_inputs import RowGroups, StepInputs
 from qnext.model.verify import commit_positions, verify_deltanet
 
 
-def window_length(num_speculative_tokens: int, backend: str) -> int:
-    """Rows of a verify window: k + 1 tokens, rounded up to a power of two on GPUs (the Pallas kernels' group
-    shapes); on CPU exactly k + 1 (padding rows would cost their matmul rows)."""
+def window_length(num_speculative_tokens: int, backend: str, rows: int = 1) -> int:
+    """Positions of each of `rows` verify windows: k + 1 tokens, rounded up to a power of two on GPUs (the Pallas
+    kernels' group shapes). On CPU, k + 1 while the step has at most 4 tokens, else rounded up so that the step's
+    rows x length tokens are a multiple of 8: XLA:CPU's GEMM over the weights costs by groups of rows (this CPU,
+    the small preset's weights at 1 / 4 / 5-7 / 8 / 9-12 / 16 rows: 15 / 19 / 30 / 24 / 39 / 34 ms), so 8 rows
+    cost less than 5 and 16 less than 9 (a padding position is a token of length 0: KV slot 0, never kept)."""
     k = num_speculative_tokens
-    return k + 1 if backend == "cpu" else 1 << k.bit_length()
+    if backend != "cpu":
+        return 1 << k.bit_length()
+    length = k + 1
+    while rows * length > 4 and rows * length % 8:
+        length += 1
+    return length
 
 
 @struct.dataclass
@@ -81,12 +89,14 @@ def verify_inputs(windows, read_rows, write_rows, tables, starts, rows: int, len
 
 
 @functools.lru_cache(maxsize=None)
-def make_spec_step(cfg: ModelConfig, num_speculative_tokens: int, block_size: int):
+def make_spec_step(cfg: ModelConfig, num_speculative_tokens: int, block_size: int, with_head: bool = True):
     """jit(params, mtp, buffers, inputs, window, sampling, num_logprobs=None) -> (tokens [D, k + 1] int32, ran [D]
     int32 tokens each row keeps, next drafts [D, k] int32, buffers, logprobs); sampling: the rows' SamplingTensors,
     or None when every row needs no tensors (plain greedy); num_logprobs (static): `sample`'s K for the emitted
     tokens' logprobs, a SamplerOutput whose fields are [D, k + 1, ...] (the target's raw logits at each window
-    position, as plain decoding reports them), or None for none. Cache buffers are donated."""
+    position, as plain decoding reports them), or None for none. Cache buffers are donated.
+    with_head False (drafts chosen on the host, Drafter.uses_head): the verify pass alone; the head neither runs
+    nor writes its KV, and the next drafts are zeros."""
     k = num_speculative_tokens
 
     def run(params, mtp, buffers, inputs: StepInputs, window: WindowInputs, sampling: SamplingTensors | None,
@@ -107,16 +117,18 @@ def make_spec_step(cfg: ModelConfig, num_speculative_tokens: int, block_size: in
         capture_row = jnp.max(window.capture_row, axis=1)
         buffers = commit_positions(pending, keep, pre.write_row, capture_at, capture_row)
 
+        logprobs = None
+        if num_logprobs is not None:
+            flat = token_logprobs(logits.reshape(d * (k + 1), -1), acc.tokens.reshape(-1), num_logprobs)
+            logprobs = jax.tree.map(lambda x: x.reshape(d, k + 1, *x.shape[1:]), flat)
+        if not with_head:
+            return acc.tokens, ran, jnp.zeros((d, k), jnp.int32), buffers, logprobs
         # the head over the window: slot j takes kept token j (later slots are provisional, overwritten later)
         next_ids = jnp.concatenate([acc.tokens, jnp.repeat(acc.tokens[:, -1:], length - k - 1, axis=1)], axis=1)
         own, kv = mtp_layer(params, mtp, buffers.kv[-1], next_ids.reshape(-1), hidden, inputs, cfg)
         last = jnp.arange(d) * length + jnp.maximum(keep, 0)
         drafts, kv = draft_chain(params, mtp, kv, own[last], inputs.positions[last], pre.block_table, ran > 0, k,
                                  cfg, block_size, 1)
-        logprobs = None
-        if num_logprobs is not None:
-            flat = token_logprobs(logits.reshape(d * (k + 1), -1), acc.tokens.reshape(-1), num_logprobs)
-            logprobs = jax.tree.map(lambda x: x.reshape(d, k + 1, *x.shape[1:]), flat)
         return acc.tokens, ran, drafts, replace_kv(buffers, kv), logprobs
 
     return jax.jit(run, donate_argnums=(2,), static_argnames=("num_logprobs",))

@@ -98,6 +98,10 @@ def test_forced_acceptance_and_rejection_equal_plain_decoding(checkpoint, plain,
 
     spec = LLM(checkpoint, speculative_config=SPEC, drafter=oracle_drafter(oracle), **OPTIONS)
     assert tokens(spec.generate(batch, GREEDY)) == list(want.values())
+    # drafts chosen on the host: the head never ran, so its KV layer (the cache's last) holds nothing
+    buffers = spec.engine.cache.lend_buffers()
+    assert not np.any(np.asarray(buffers.kv[-1][0])) and np.any(np.asarray(buffers.kv[0][0]))
+    spec.engine.cache.return_buffers(buffers)
     stats = spec.engine.stats
     if forced == "accept":           # whole windows kept, but where max_tokens cuts the last one
         assert stats.num_accepted_draft_tokens >= 0.9 * stats.num_draft_tokens > 0
