@@ -1,6 +1,6 @@
 """Jitted copies in and out of the device buffers (cache/device_buffers.py), in bounded shapes: the host reading
 blocks and rows (the persisted cache, a prefill/decode transfer) and writing ones computed elsewhere, and the gather
-and scatter primitives that the host tier's copies (cache/host_tier_buffers.py) and the forks' (cache/fork_copies.py)
+and scatter primitives that the host tier's copies (cache/host_tier_buffers.py) and the forks' (cache/fork_buffer_copies.py)
 are made of. Index vectors are padded to powers of two so that few shapes compile; padded gathers read block / row 0,
 padded scatters write out of range and are dropped (the zero state row is never written); at most MAX_COPY blocks
 (rows) go in one call.

@@ -1,5 +1,5 @@
 """What a cache holds, independent of tiers and ids: the index a persisted cache is written with and read back from
-(plain Python, no jax; the file format is cache/persistence.py, the data cache/device_buffers.py and cache/host_tier_buffers.py).
+(plain Python, no jax; the file format is cache/cache_file.py, the data cache/device_buffers.py and cache/host_tier_buffers.py).
 
 `export_index` lists every published KV block (device and host tier) and every valid snapshot, most recently used
 first (device before host), each with where its data is now. `import_index` puts an index into a fresh manager's

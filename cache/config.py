@@ -11,7 +11,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     hybrid: bool = True          # False: plain transformer, reuse = KV match, no snapshots needed
     checkpoint_interval: int = 1024  # prompts also capture at multiples of this, at most 8 a prompt (the spacing
-                                     # doubles on longer prompts: cache/checkpoints.py; floored to blocks; 0: off)
+                                     # doubles on longer prompts: cache/checkpoint_spacing.py; floored to blocks; 0: off)
     num_host_blocks: int = 0     # host-tier KV block slots (cache/tiers.py; 0: evicted blocks are dropped)
     num_host_snapshot_slots: int = 0  # host-tier snapshot slots (0: evicted snapshots are dropped)
     num_staging_rows: int = 0    # narrow snapshot pool: float32 rows after the live rows that the step stages

@@ -1,6 +1,6 @@
 """The device buffers the cache manager's bookkeeping refers to: their layout, allocation and how a row id addresses
 them. With cache/buffer_copies.py (the jitted copies in and out of them), cache/host_tier_buffers.py (the host tier's
-arrays and the copies between the tiers) and cache/fork_copies.py (the forks' copies inside them), the modules of
+arrays and the copies between the tiers) and cache/fork_buffer_copies.py (the forks' copies inside them), the modules of
 `cache/` that import jax.
 
 KV pages per full-attention layer, and state rows per linear-attention layer: row 0 is the zero state (never written),

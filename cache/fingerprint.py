@@ -1,5 +1,5 @@
 """The fingerprint a persisted prefix cache is bound to (plain Python, no jax): what the cached KV and states depend
-on. A cache file whose fingerprint differs in any part is never loaded (cache/persistence.py)."""
+on. A cache file whose fingerprint differs in any part is never loaded (cache/cache_file.py)."""
 from __future__ import annotations
 
 import hashlib

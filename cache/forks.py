@@ -8,7 +8,7 @@ after the prompt's step has run. When that step has been committed, `fork(parent
   sample writes its own tokens after the prompt there);
 - state: the parent's live row (the recurrent + conv state after the whole prompt) copied into a reserved live row.
 The copies are queued here and taken by the manager's `take_fork_copies()`; the scheduler runs them all as one
-batched device copy (`apply_fork_copies`, cache/fork_copies.py) when it next lends the buffers, before the copies
+batched device copy (`apply_fork_copies`, cache/fork_buffer_copies.py) when it next lends the buffers, before the copies
 between tiers and before any step: the sources (the parent's row and partial block) are then still as the prompt's
 step left them, even if the parent finished or was preempted in between (a row or block handed to someone else is
 written only by a later step or a later tier load), and the reserved destinations' own evictions were copied out at

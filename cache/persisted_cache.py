@@ -1,6 +1,6 @@
 """A prefix cache that survives restarts (device-side: reads the device buffers): `save_prefix_cache` writes the
 cache's index (cache/cache_index.py) and the contents of both tiers to `<prefix_cache_dir>/prefix_cache.qnext`
-(cache/persistence.py); `load_prefix_cache` reads a file written for the same fingerprint into the host tier of a
+(cache/cache_file.py); `load_prefix_cache` reads a file written for the same fingerprint into the host tier of a
 fresh cache, from where the first requests that match load it back like any host-tier hit.
 
 Arrays of the file: the index's (block_hashes, block_uids, block_parents, block_tokens, snapshot_hashes,
@@ -19,7 +19,7 @@ from cache.cache_index import DEVICE, CacheIndex, export_index, import_index, in
 from cache.buffer_copies import gather_device_blocks, gather_device_rows
 from cache.host_tier_buffers import HostTierBuffers
 from cache.manager import CacheManager
-from cache.persistence import ArraySpec, read_cache_file, write_cache_file
+from cache.cache_file import ArraySpec, read_cache_file, write_cache_file
 
 
 def save_prefix_cache(directory: str | os.PathLike, cache: CacheManager, host: HostTierBuffers | None,

@@ -7,7 +7,7 @@ through the same block pool, registry and snapshot pool.
 """
 from collections.abc import Sequence
 
-from cache.checkpoints import checkpoint_positions
+from cache.checkpoint_spacing import checkpoint_positions
 from cache.config import CacheConfig
 
 
@@ -37,7 +37,7 @@ class CachePolicy:
         depth and those already cached). qnext: the last block boundary the same prompt can reuse (<= prompt_len - 1),
         the prompt end if it is a boundary (a longer prompt extending this one), the branch point where the KV match
         outran the state match (siblings hit next time), checkpoints every `checkpoint_interval` tokens, at most
-        MAX_CHECKPOINTS_PER_PROMPT of them (cache/checkpoints.py: the spacing doubles on longer prompts; requests
+        MAX_CHECKPOINTS_PER_PROMPT of them (cache/checkpoint_spacing.py: the spacing doubles on longer prompts; requests
         that arrive before a branch point exists lose less), and the boundary at or before each of the
         last two turn starts (`<|im_start|>` of a chat prompt): the next turn re-renders the reply's header (the
         Qwen3.5 template drops the empty think block of earlier replies), and agents' side requests (Qwen Code's

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qnext.model import converted_cache  # noqa: E402
+from qnext.model import converted_params_store  # noqa: E402
 from qnext.model.checkpoint import load_checkpoint  # noqa: E402
 
 
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         cfg = load_checkpoint(args.model, args.dtype, cache_dir=args.out).config
-        key = converted_cache.cache_key(args.model, args.dtype)
+        key = converted_params_store.cache_key(args.model, args.dtype)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
 """Long-context plan for Qwen3.5-27B and Qwen3.5-397B-A17B at 256k and 1M tokens (docs/scale.md, "Long context"):
 KV bytes, snapshot (state row) bytes, and prefill time from the compute roofline. Pure host arithmetic from the
-model configs and the engine's cache layout (qnext/model/cache_buffers.py); nothing is allocated.
+model configs and the engine's cache layout (qnext/model/cache_layout.py); nothing is allocated.
 
     python scripts/long_context_plan.py
     python scripts/long_context_plan.py --lengths 262144 1048576 --peak-tflops 989 --mfu 0.5
@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cache.checkpoints import checkpoint_positions  # noqa: E402
+from cache.checkpoint_spacing import checkpoint_positions  # noqa: E402
 from qnext.config import ModelConfig  # noqa: E402
-from qnext.model.cache_buffers import cache_layout  # noqa: E402
+from qnext.model.cache_layout import cache_layout  # noqa: E402
 
 GIB = 1 << 30
 YARN_1M = {"rope_type": "yarn", "rope_theta": 1e7, "partial_rotary_factor": 0.25, "factor": 4.0,

@@ -22,7 +22,7 @@ from cache.sizing import GIB  # noqa: E402
 from qnext.config import ModelConfig  # noqa: E402
 from qnext.engine.cache_setup import cache_sizes  # noqa: E402
 from qnext.engine.config import EngineConfig  # noqa: E402
-from qnext.model.cache_buffers import cache_layout  # noqa: E402
+from qnext.model.cache_layout import cache_layout  # noqa: E402
 from qnext.model.tensor_parallel import _split_axis, parallel_config, sharded_model_config  # noqa: E402
 from qnext.model.weights import as_dtype, map_specs, param_specs  # noqa: E402
 

@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from qnext.config import ModelConfig
-from qnext.model.cache_buffers import cache_layout
+from qnext.model.cache_layout import cache_layout
 from qnext.model.weights import ParamSpec, map_specs, param_specs
 
 

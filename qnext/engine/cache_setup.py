@@ -33,7 +33,7 @@ from cache.fingerprint import arrays_digest, cache_fingerprint
 from cache.sizing import GIB, CacheSizes, plan_cache
 from qnext.config import ModelConfig
 from qnext.engine.config import EngineConfig
-from qnext.model.cache_buffers import cache_layout
+from qnext.model.cache_layout import cache_layout
 from qnext.model.context_parallel_step import replicated
 from qnext.model.tensor_parallel import sharded_buffers, sharded_model_config
 from qnext.model.weights import as_dtype

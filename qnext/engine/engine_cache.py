@@ -13,7 +13,7 @@ from cache import CacheManager
 from cache.buffer_copies import write_blocks_and_rows
 from cache.device_buffers import CacheBuffers
 from cache.host_tier_buffers import HostTierBuffers
-from cache.fork_copies import apply_fork_copies
+from cache.fork_buffer_copies import apply_fork_copies
 from cache.persisted_cache import load_prefix_cache, save_prefix_cache
 from qnext.engine.cache_setup import CacheSetup
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from cache.fork_copies import warm_up_fork_copies
+from cache.fork_buffer_copies import warm_up_fork_copies
 from cache.snapshot_lifecycle import weak_method
 from qnext.config import ModelConfig
 from qnext.engine.cache_setup import cache_sizes, make_cache

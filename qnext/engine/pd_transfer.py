@@ -1,5 +1,5 @@
 """What moves from a prefill engine to a decode engine for one request (prefill/decode disaggregation,
-docs/pd.md), in a layout independent of either side's tensor-parallel size (qnext/model/canonical_cache.py).
+docs/pd.md), in a layout independent of either side's tensor-parallel size (qnext/model/canonical_layout.py).
 
 A `PrefillBundle` is the prefill side's export at exactly the last prompt token: the metadata (the prompt, its
 chain block hashes, the first sampled token with its logprob, how the request finished there, the cache layout)
@@ -26,7 +26,7 @@ from cache.buffer_copies import gather_device_blocks, gather_live_rows
 from cache.device_buffers import CacheBuffers
 from qnext.config import ModelConfig
 from qnext.engine.sampled_token import SampledToken
-from qnext.model.canonical_cache import conv_from_canonical, conv_to_canonical, kv_from_canonical, kv_to_canonical
+from qnext.model.canonical_layout import conv_from_canonical, conv_to_canonical, kv_from_canonical, kv_to_canonical
 
 PREFILLED = "prefilled"        # finish_reason of a request whose decoding continues on a decode engine
 

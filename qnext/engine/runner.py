@@ -252,7 +252,7 @@ class ModelRunner:
         first step does not run out of memory. Compiles that one shape twice."""
         from cache.device_buffers import allocate_cache_buffers
         from qnext.engine.cache_setup import device_memory_stats
-        from qnext.model.cache_buffers import cache_layout
+        from qnext.model.cache_layout import cache_layout
 
         bucket = max(self.buckets.all, key=lambda b: b.sizes.num_tokens)
         s = bucket.sizes

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from qnext.config import ModelConfig
-from qnext.model import converted_cache
+from qnext.model import converted_params_store
 from qnext.model.checkpoint_tensors import (  # noqa: F401  (names the loader has always exported)
     INDEX_FILE, SINGLE_FILE, CheckpointError, Tensors as _Tensors, checkpoint_files)
 from qnext.model.fp8_keep import FP8_WEIGHT_MODES, kept_expert_list, kept_expert_stack, kept_rows
@@ -46,15 +46,15 @@ def load_params(
     device = engine_devices()[0]
     key = None
     if cache_dir is not None and fp8_weights != "keep":
-        key = converted_cache.cache_key(path, dt)
-        params = converted_cache.restore_converted(cache_dir, key, cfg, dt)
+        key = converted_params_store.cache_key(path, dt)
+        params = converted_params_store.restore_converted(cache_dir, key, cfg, dt)
         if params is not None:
             return jax.device_put(params, device)
     start = time.perf_counter()
     params = convert_checkpoint(path, cfg, dt, place=lambda a: jax.device_put(a, device), fp8_weights=fp8_weights)
     log.info("converted %s to %s in %.1f s", path, dt.name, time.perf_counter() - start)
     if key is not None:
-        converted_cache.save_converted(cache_dir, key, params)
+        converted_params_store.save_converted(cache_dir, key, params)
     return params
 
 

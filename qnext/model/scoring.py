@@ -8,7 +8,7 @@ import numpy as np
 
 from qnext.config import ModelConfig
 from qnext.model.buckets import scoring_sizes
-from qnext.model.cache_buffers import model_cache_buffers
+from qnext.model.cache_layout import model_cache_buffers
 from qnext.model.checkpoint import load_checkpoint
 from qnext.model.forward import make_step
 from qnext.model.step_inputs import Segment, build_step_inputs

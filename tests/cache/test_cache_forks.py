@@ -8,7 +8,7 @@ import numpy as np
 
 from cache import CacheConfig, CacheManager
 from cache.device_buffers import CacheBuffers
-from cache.fork_copies import apply_fork_copies, warm_up_fork_copies
+from cache.fork_buffer_copies import apply_fork_copies, warm_up_fork_copies
 from qnext.engine.stats import compilations
 
 BS = 4

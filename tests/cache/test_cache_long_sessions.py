@@ -1,6 +1,6 @@
 """Snapshots over long sessions: the pool sized by bytes, and checkpoint placement bounded per prompt."""
 from cache import CacheConfig, CacheManager, plan_cache
-from cache.checkpoints import MAX_CHECKPOINTS_PER_PROMPT, checkpoint_positions
+from cache.checkpoint_spacing import MAX_CHECKPOINTS_PER_PROMPT, checkpoint_positions
 from cache.sizing import SNAPSHOT_SPACING_TOKENS
 
 MIB = 1 << 20

@@ -1,4 +1,4 @@
-"""The persisted cache without an engine: the file format (cache/persistence.py) and the index a restart loads
+"""The persisted cache without an engine: the file format (cache/cache_file.py) and the index a restart loads
 into the host tier (cache/cache_index.py)."""
 import logging
 import os
@@ -10,7 +10,7 @@ import pytest
 from cache import CacheConfig, CacheManager
 from cache.cache_index import export_index, import_index, index_arrays, index_from_arrays
 from cache.fingerprint import cache_fingerprint
-from cache.persistence import FILE_NAME, ArraySpec, read_cache_file, write_cache_file
+from cache.cache_file import FILE_NAME, ArraySpec, read_cache_file, write_cache_file
 from tests.support.cache_cases import BS, run
 
 FINGERPRINT = cache_fingerprint({"hidden_size": 64}, "weights-digest", "float32", 16)

@@ -125,7 +125,7 @@ def test_a_full_disk_at_close_keeps_the_old_file_and_closes_cleanly(checkpoint, 
     """The soak's full disk: the save at close fails with ENOSPC. close() must not raise (a server's shutdown
     failed with a traceback and a non-zero exit), and the previous file must still load whole."""
     import errno
-    import cache.persistence
+    import cache.cache_file
 
     first, next_turn = chat_turns(3)
     with qnext.LLM(checkpoint, prefix_cache_dir=str(tmp_path), **ENGINE) as llm:
@@ -133,7 +133,7 @@ def test_a_full_disk_at_close_keeps_the_old_file_and_closes_cleanly(checkpoint, 
     saved = (tmp_path / "prefix_cache.qnext").read_bytes()
     llm = qnext.LLM(checkpoint, prefix_cache_dir=str(tmp_path), **ENGINE)
     llm.generate({"prompt_token_ids": chat_turns(5)[0]}, GREEDY)
-    real_write = cache.persistence.os.fdopen
+    real_write = cache.cache_file.os.fdopen
 
     def full_disk(fd, mode="r", *args, **kwargs):
         f = real_write(fd, mode, *args, **kwargs)
@@ -142,7 +142,7 @@ def test_a_full_disk_at_close_keeps_the_old_file_and_closes_cleanly(checkpoint, 
                 raise OSError(errno.ENOSPC, "No space left on device")
             f.write = no_space
         return f
-    monkeypatch.setattr(cache.persistence.os, "fdopen", full_disk)
+    monkeypatch.setattr(cache.cache_file.os, "fdopen", full_disk)
     with caplog.at_level(logging.ERROR, logger="qnext.engine"):
         llm.close()
     monkeypatch.undo()

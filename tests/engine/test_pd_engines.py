@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from qnext.model.canonical_cache import conv_from_canonical, conv_to_canonical, kv_from_canonical, kv_to_canonical
+from qnext.model.canonical_layout import conv_from_canonical, conv_to_canonical, kv_from_canonical, kv_to_canonical
 from tests.support.host_device_script import run_on_host_devices
 
 _SCRIPT = textwrap.dedent("""

@@ -24,7 +24,7 @@ from qnext.engine.multi_step import make_multi_step
 from qnext.engine.runner import make_engine_step
 from qnext.engine.window import WindowInputs
 from qnext.model.buckets import BucketTable
-from qnext.model.cache_buffers import cache_layout
+from qnext.model.cache_layout import cache_layout
 from qnext.model.step_inputs import Segment, build_step_inputs
 from qnext.model.weights import map_specs, param_specs
 from qnext.testing.tiny_checkpoint import tiny_hf_config
@@ -143,7 +143,7 @@ def test_the_check_sees_a_scatter_that_xla_gpu_would_copy():
 def test_cache_copies_index_the_pages_leading_dims_on_cuda():
     """The other jitted functions on the cache buffers (fork copies, host-tier saves and restores) also index
     the pages on their leading dims, and the donated ones update them in place."""
-    from cache import buffer_copies, device_buffers, fork_copies
+    from cache import buffer_copies, device_buffers, fork_buffer_copies
 
     layout = device_buffers.CacheLayout(num_kv_layers=1, num_kv_heads=2, head_dim=64, num_state_layers=1,
                                         conv_width=4, conv_dim=96, num_v_heads=2, k_head_dim=64, v_head_dim=64,
@@ -153,7 +153,7 @@ def test_cache_copies_index_the_pages_leading_dims_on_cuda():
     types = {_mlir_type(x) for x in jax.tree.leaves(buffers)}
     idx = jax.ShapeDtypeStruct((4,), jnp.int32)
     block_values = [(jax.ShapeDtypeStruct((2, 4, BLOCK_SIZE, 64), jnp.bfloat16),) * 2]
-    cases = [(fork_copies._fork_copy, (buffers, idx, idx, idx, idx), len(jax.tree.leaves(buffers))),
+    cases = [(fork_buffer_copies._fork_copy, (buffers, idx, idx, idx, idx), len(jax.tree.leaves(buffers))),
              (buffer_copies.scatter_blocks, (buffers.kv, idx, block_values), 2),
              (buffer_copies.gather_blocks, (buffers.kv, idx), 0)]
     for fn, args, donated in cases:

@@ -13,7 +13,7 @@ import pytest
 from qnext.bench.bandwidth import decode_step_bytes, weight_bytes
 from qnext.config import ModelConfig
 from qnext.model.buckets import BucketTable
-from qnext.model.cache_buffers import cache_layout, model_cache_buffers
+from qnext.model.cache_layout import cache_layout, model_cache_buffers
 from qnext.model.forward import forward
 from qnext.model.step_inputs import LayoutSizes, Segment, build_step_inputs
 from qnext.model.weights import init_params, param_specs

@@ -109,7 +109,7 @@ def test_engine_step_with_kept_fp8_weights_lowers_for_cuda(tmp_path):
     from qnext.engine.runner import make_engine_step
     from cache.device_buffers import allocate_cache_buffers
     from qnext.model.buckets import BucketTable
-    from qnext.model.cache_buffers import cache_layout
+    from qnext.model.cache_layout import cache_layout
     from qnext.model.step_inputs import Segment, build_step_inputs
 
     src = write_tiny_checkpoint(tmp_path / "bf16", "qwen3_5_moe", seed=5, dtype="bfloat16", fused_experts=True)

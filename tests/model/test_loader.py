@@ -8,7 +8,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from qnext.config import ModelConfig
-from qnext.model import converted_cache
+from qnext.model import converted_params_store
 from qnext.model.loader import CheckpointError, convert_checkpoint, load_params
 from qnext.model.weights import map_specs, param_specs
 from qnext.testing.tiny_checkpoint import write_tiny_checkpoint
@@ -164,7 +164,7 @@ def test_second_load_restores_converted_params(tmp_path, monkeypatch):
 
 def test_cache_key_tracks_files_and_dtype(tmp_path):
     path = write_tiny_checkpoint(tmp_path, "qwen3_5")
-    key = converted_cache.cache_key(path, "float32")
-    assert converted_cache.cache_key(path, "bfloat16") != key
+    key = converted_params_store.cache_key(path, "float32")
+    assert converted_params_store.cache_key(path, "bfloat16") != key
     os.utime(path / "model.safetensors", ns=(1, 1))
-    assert converted_cache.cache_key(path, "float32") != key
+    assert converted_params_store.cache_key(path, "float32") != key

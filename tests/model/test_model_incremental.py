@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import qnext  # noqa: E402
-from qnext.model.cache_buffers import model_cache_buffers  # noqa: E402
+from qnext.model.cache_layout import model_cache_buffers  # noqa: E402
 from qnext.model.step_inputs import LayoutSizes, Segment, build_step_inputs  # noqa: E402
 from tests.support.hf_reference import build_hf_model, save_hf_model  # noqa: E402
 

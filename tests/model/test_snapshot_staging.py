@@ -11,7 +11,7 @@ import pytest
 
 import qnext
 from cache.device_buffers import allocate_cache_buffers
-from qnext.model.cache_buffers import cache_layout
+from qnext.model.cache_layout import cache_layout
 from qnext.model.step_inputs import LayoutSizes, Segment, build_step_inputs
 from qnext.testing.tiny_checkpoint import write_tiny_checkpoint
 

@@ -142,7 +142,7 @@ def test_decode_after_an_image_runs_at_token_index_plus_delta(vl):
     """The engine's contract: prefill with the prompt's 3-D positions, then each decoded token at its token index
     + position_delta (1-D rope positions; the state and KV carried in the cache buffers) gives the logits
     transformers computes for the whole sequence."""
-    from qnext.model.cache_buffers import model_cache_buffers
+    from qnext.model.cache_layout import model_cache_buffers
     from qnext.model.forward import make_step
     from qnext.model.step_inputs import LayoutSizes, Segment, build_step_inputs
     from qnext.model.visual_inputs import with_visual_inputs

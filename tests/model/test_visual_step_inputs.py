@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qnext.model.cache_buffers import model_cache_buffers
+from qnext.model.cache_layout import model_cache_buffers
 from qnext.model.checkpoint import load_checkpoint
 from qnext.model.forward import forward
 from qnext.model.step_inputs import LayoutSizes, Segment, build_step_inputs
