@@ -5,7 +5,7 @@ only the schedule changes, and the max |Δ| when it is not.
     JAX_PLATFORMS=cpu python scripts/determinism_probes.py [--only matmul delta attention softmax model]
 
 matmul:    qnext.ops.linear (the engine's and the Flax model's projections): row 0 of an [m, K] x [K, N] product
-           for m = 1..300 vs m = 1, float32 and bfloat16.
+           for m = 1..300 vs other row counts, float32 and bfloat16; and XLA's plain x @ w.T.
 rmsnorm:   qnext.model.norms.rms_norm, row 0 of [m, H] vs [1, H].
 delta:     the chunked gated delta rule (qnext/model/dense_delta_rule.py) with chunk 16 / 32 / 64, a sequence cut
            into two calls at position 40 (state carried), and the token-by-token recurrence (the decode form),
@@ -44,14 +44,19 @@ def matmul(out):
 
     key = jax.random.PRNGKey(0)
     run = jax.jit(linear)
+    dot = jax.jit(lambda x, w: x @ w.T)            # XLA's dot without linear's row-count paths
     for dtype in (jnp.float32, jnp.bfloat16):
         for k, n in ((64, 512), (1024, 1024), (2048, 4096)):
             x = jax.random.normal(key, (300, k), jnp.float32).astype(dtype)
             w = (jax.random.normal(jax.random.PRNGKey(1), (n, k), jnp.float32) / k ** 0.5).astype(dtype)
-            one = run(x[:1], w)[0]
-            for m in (2, 8, 16, 33, 64, 300):
-                out(f"matmul {jnp.dtype(dtype).name} K={k} N={n}: row 0 of {m} rows vs 1 row: "
-                    f"{verdict(run(x[:m], w)[0], one)}")
+            rows = {m: run(x[:m], w)[0] for m in (1, 2, 8, 16, 32, 33, 64, 300)}
+            for m, base in ((2, 1), (8, 1), (33, 1), (2, 8), (16, 8), (32, 8), (33, 64), (300, 64)):
+                out(f"matmul {jnp.dtype(dtype).name} K={k} N={n}: row 0 of {m} rows vs {base}: "
+                    f"{verdict(rows[m], rows[base])}")
+        plain = {m: dot(x[:m], w)[0] for m in (1, 2, 8, 300)}
+        for m, base in ((2, 1), (8, 2), (300, 2)):
+            out(f"plain x @ w.T {jnp.dtype(dtype).name} K={k} N={n}: row 0 of {m} rows vs {base}: "
+                f"{verdict(plain[m], plain[base])}")
 
 
 def rmsnorm(out):
