@@ -4,6 +4,7 @@
     logits = model(input_ids, attention_mask)            # [B, T] int32 (left padding) -> [B, T, V] float32
     config, params = qnext.flax.engine_params(model)     # the engine's weights pytree, a view of the module
     qnext.flax.save_pretrained(model, out_dir)           # Hugging Face checkpoint in the source's layout
+    logp = qnext.flax.token_logprobs(model, ids, mask)   # each next token's log-prob [B, T-1] (a trainer's score)
     logits = model(input_ids, attention_mask, **qnext.flax.image_batch(model, input_ids, attention_mask, visuals))
                                                          # images / video (a VL checkpoint's tower, qnext/vision)
 
@@ -24,7 +25,8 @@ from qnext.flax.model import (
 )
 from qnext.flax.vision import VisionTower, image_batch
 from qnext.flax.save import save_pretrained
+from qnext.flax.scoring import token_logprobs
 
 __all__ = ["DecoderLayer", "HybridCausalLM", "ParamGroup", "SourceCheckpoint", "as_engine_params", "dense_forward",
            "engine_params", "from_pretrained", "image_batch", "save_pretrained",
-           "vision_params", "VisionTower"]
+           "token_logprobs", "vision_params", "VisionTower"]
