@@ -38,14 +38,8 @@ class Drafter:
 
     def layout(self, items: list[ScheduledSequence], bucket: Bucket, window: WindowInputs) -> StepInputs:
         """The verify layout of a speculative step: row i's window is its token and the drafts it may keep."""
-        s = bucket.sizes
-        windows = [[it.segment.token_ids[0]] + window.drafts[i, :window.steps[i] - 1].tolist()
-                   for i, it in enumerate(items)]
-        length = window_length(self.num_speculative_tokens, self.cfg.backend, s.num_decode)
-        inputs = verify_inputs(windows, [it.segment.read_row for it in items], [it.segment.write_row for it in items],
-                               [it.segment.block_table for it in items], [it.start for it in items], s.num_decode,
-                               length, s.max_blocks, self.config.block_size)
-        return _with_mrope_delta(inputs, items, windows, length)
+        length = window_length(self.num_speculative_tokens, self.cfg.backend, bucket.sizes.num_decode)
+        return verify_layout(items, bucket, window, length, self.config.block_size)
 
     def run(self, params, buffers: CacheBuffers, inputs: StepInputs, window: WindowInputs,
             sampling: SamplingTensors | None, num_logprobs: int | None):
@@ -104,6 +98,19 @@ class Drafter:
         if self._kv_catch_up is not None and self.config.speculation_disabled_at(s.num_logits):
             buffers = self._kv_catch_up(params, self.mtp, buffers, inputs, next_ids, hidden)
         return buffers
+
+
+def verify_layout(items: list[ScheduledSequence], bucket: Bucket, window: WindowInputs, length: int,
+                  block_size: int) -> StepInputs:
+    """A verify window's inputs, `length` positions a row: row i's window is its token and window.steps[i] - 1
+    drafts (the MTP head's or the host's)."""
+    s = bucket.sizes
+    windows = [[it.segment.token_ids[0]] + window.drafts[i, :window.steps[i] - 1].tolist()
+               for i, it in enumerate(items)]
+    inputs = verify_inputs(windows, [it.segment.read_row for it in items], [it.segment.write_row for it in items],
+                           [it.segment.block_table for it in items], [it.start for it in items], s.num_decode,
+                           length, s.max_blocks, block_size)
+    return _with_mrope_delta(inputs, items, windows, length)
 
 
 def _with_mrope_delta(inputs: StepInputs, items: list[ScheduledSequence], windows: list[list[int]],

@@ -20,11 +20,11 @@ from cache.device_buffers import CacheBuffers
 from qnext.config import ModelConfig
 from qnext.engine.config import EngineConfig
 from qnext.engine.draft_verify import make_draft_verify_step
-from qnext.engine.drafter import _with_mrope_delta
+from qnext.engine.drafter import verify_layout
 from qnext.engine.plan import ScheduledSequence, StepPlan, StepResult
 from qnext.engine.sampler import SamplingTensors
 from qnext.engine.sequence import Sequence
-from qnext.engine.spec_step import verify_inputs, window_length
+from qnext.engine.spec_step import window_length
 from qnext.engine.window import WindowInputs
 from qnext.model.buckets import Bucket
 from qnext.model.step_inputs import StepInputs
@@ -49,14 +49,7 @@ class HostDrafter:
 
     def layout(self, items: list[ScheduledSequence], bucket: Bucket, window: WindowInputs) -> StepInputs:
         """The verify layout: row i's window is its token and its window.steps[i] - 1 drafts."""
-        s = bucket.sizes
-        windows = [[it.segment.token_ids[0]] + window.drafts[i, :window.steps[i] - 1].tolist()
-                   for i, it in enumerate(items)]
-        length = self._length(window.steps)
-        inputs = verify_inputs(windows, [it.segment.read_row for it in items], [it.segment.write_row for it in items],
-                               [it.segment.block_table for it in items], [it.start for it in items], s.num_decode,
-                               length, s.max_blocks, self.config.block_size)
-        return _with_mrope_delta(inputs, items, windows, length)
+        return verify_layout(items, bucket, window, self._length(window.steps), self.config.block_size)
 
     def run(self, params, buffers: CacheBuffers, inputs: StepInputs, window: WindowInputs,
             sampling: SamplingTensors | None, num_logprobs: int | None):

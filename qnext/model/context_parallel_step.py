@@ -37,7 +37,7 @@ from qnext.model.attention import full_attention
 from qnext.model.context_parallel import shard_entry_state
 from qnext.model.deltanet import delta_rule_inputs, deltanet_projections, gated_deltanet
 from qnext.model.forward import decoder_stack, lm_logits
-from qnext.model.host_devices import engine_devices
+from qnext.model.host_devices import device_mesh
 from qnext.model.norms import rms_norm
 from qnext.model.step_inputs import LayoutSizes, Segment, StepInputs, build_step_inputs, required_sizes
 
@@ -52,13 +52,7 @@ class ShardRows:
 
 
 def context_mesh(n: int) -> Mesh:
-    devices = engine_devices(n)
-    if len(devices) < n:
-        hint = (f"; on CPU, start with XLA_FLAGS=--xla_force_host_platform_device_count={n}"
-                if devices[0].platform == "cpu" else "")
-        raise ValueError(f"context_parallel_size={n} needs {n} devices, JAX sees {len(devices)} "
-                         f"({devices[0].platform}){hint}")
-    return Mesh(np.array(devices), (AXIS,))
+    return device_mesh(n, "context_parallel_size", AXIS)
 
 
 def replicated(tree, n: int):

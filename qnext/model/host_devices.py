@@ -24,3 +24,16 @@ def engine_devices(count: int = 1) -> list:
     default = jax.config.jax_default_device
     start = devices.index(default) if default is not None and default in devices else 0
     return devices[start:start + count]
+
+
+def device_mesh(n: int, option: str, axis: str):
+    """A 1-D mesh over the engine's first `n` devices (engine_devices) for the engine option `option`; a clear error
+    naming the option when JAX sees fewer."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    devices = engine_devices(n)
+    if len(devices) < n:
+        hint = (f"; on CPU, start with XLA_FLAGS={_FLAG}={n}" if devices[0].platform == "cpu" else "")
+        raise ValueError(f"{option}={n} needs {n} devices, JAX sees {len(devices)} ({devices[0].platform}){hint}")
+    return Mesh(np.array(devices), (axis,))

@@ -40,14 +40,13 @@ import logging
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from cache.device_buffers import CacheBuffers
 from qnext.config import ModelConfig
 from qnext.ops.fp8_weight import Fp8Weight
 from qnext.model.head_layout import device_major, repeat_heads
-from qnext.model.host_devices import engine_devices
+from qnext.model.host_devices import device_mesh
 from qnext.model.weights import ParamSpec, map_specs, param_specs
 
 logger = logging.getLogger("qnext.engine")
@@ -136,13 +135,7 @@ def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
 
 
 def make_mesh(tp: int) -> Mesh:
-    devices = engine_devices(tp)
-    if len(devices) < tp:
-        hint = (f"; on CPU, start with XLA_FLAGS=--xla_force_host_platform_device_count={tp}"
-                if devices[0].platform == "cpu" else "")
-        raise ValueError(f"tensor_parallel_size={tp} needs {tp} devices, JAX sees {len(devices)} "
-                         f"({devices[0].platform}){hint}")
-    return Mesh(np.array(devices), (AXIS,))
+    return device_mesh(tp, "tensor_parallel_size", AXIS)
 
 
 def mixer_all_reduce(out, cfg: ModelConfig):
