@@ -73,11 +73,13 @@ def test_router_keys_a_lora_adapters_blocks_on_its_weights(tiny_checkpoint, tmp_
     a, b = (LoRARequest(n, i + 1, str(write_tiny_adapter(tmp_path / n, ckpt, seed=i))) for i, n in enumerate("ab"))
     root_a, root_b = adapter_hash_root(a), adapter_hash_root(b)
     assert root_a == hash_root(read_peft_adapter(a.lora_path).digest) and root_a != root_b
-    router = PrefixRouter(2, block_size=4, capacity_blocks=100)
+    router = PrefixAffinity(2, capacity_keys=100)
     ids = list(range(10, 30))
-    router.record(1, ids, root=root_a)
-    assert router.order(ids, root=root_a)[0] == 1
-    assert router.order(ids, root=root_b)[0] == 0 and router.order(ids)[0] == 0    # no match: the first
+    router.record(1, prompt_chain(MODEL, ids, root=root_a))
+    assert router.order(prompt_chain(MODEL, ids, root=root_a))[0] == 1
+    assert router.matched(0, prompt_chain(MODEL, ids, root=root_a)) == 0
+    assert router.matched(1, prompt_chain(MODEL, ids, root=root_b)) == 0          # another adapter: no match
+    assert router.matched(1, chain(ids)) == 0                                       # the base: no match
     import time
     time.sleep(0.01)
     write_tiny_adapter(tmp_path / "a", ckpt, seed=5)                    # same name, id and path; new weights

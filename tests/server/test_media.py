@@ -119,10 +119,11 @@ def test_chats_with_pictures_run_on_a_media_pool_that_cannot_starve_text(monkeyp
     import threading
     import types
 
+    from qnext.served_engine import ServedModel
     from qnext.server.admission import Admission
 
-    engine = types.SimpleNamespace(tokenizer=None, max_model_len=100, model_config=types.SimpleNamespace(vocab_size=9))
-    admission = Admission(types.SimpleNamespace(engine=engine), "m", media_limits=MediaLimits(workers=1))
+    model = ServedModel(None, max_model_len=100, vocab_size=9, block_size=16, num_blocks=10)
+    admission = Admission(types.SimpleNamespace(served_model=model), "m", media_limits=MediaLimits(workers=1))
     release, threads = threading.Event(), []
 
     def translate(inputs, params):

@@ -12,6 +12,7 @@ from qnext.agents import OutputParser
 from qnext.agents.events import ContentDelta, ToolCallStart
 from qnext.outputs import CompletionOutput, RequestOutput
 from qnext.sampling_params import SamplingParams
+from qnext.served_engine import ServedModel
 from qnext.server.admission import Admission
 from qnext.server.engine_errors import EngineStepError
 from qnext.server.errors import APIError
@@ -22,9 +23,8 @@ LIMIT = 100
 
 
 def admission() -> Admission:
-    engine = types.SimpleNamespace(tokenizer=None, max_model_len=LIMIT,
-                                   model_config=types.SimpleNamespace(vocab_size=1000))
-    return Admission(types.SimpleNamespace(engine=engine), "m")
+    model = ServedModel(None, max_model_len=LIMIT, vocab_size=1000, block_size=16, num_blocks=10)
+    return Admission(types.SimpleNamespace(served_model=model), "m")
 
 
 @pytest.mark.parametrize("asked, expected", [(32000, 10), (None, 10), (4, 4)])
