@@ -19,10 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
+
+from qnext.bench.batch_decode import run_batch
 
 TOOLS = [{"type": "function", "function": {"name": name, "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -46,27 +47,9 @@ def parse_args(argv=None):
 def generate(llm, prompts: list[list[int]], params) -> dict:
     """Greedy generation of `prompts` as one batch -> tokens, engine steps, decode tokens/s (steps after the
     prefill) and generated tokens per decode step per row."""
-    engine, stats = llm.engine, llm.engine.stats
-    ids = [f"r{time.perf_counter_ns()}-{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(ids, prompts):
-        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-    outputs, wall, steps, decode_steps, tokens = {}, 0.0, 0, 0, 0
-    while engine.has_unfinished_requests():
-        prefill, generated = stats.num_prefill_tokens, stats.num_generated_tokens
-        t0 = time.perf_counter()
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs[0]
-        steps += 1
-        if stats.num_prefill_tokens == prefill:          # a decode step (plain or verify)
-            wall += time.perf_counter() - t0
-            decode_steps += 1
-            tokens += stats.num_generated_tokens - generated
-    for rid in ids:
-        engine.release(rid)
-    return {"tokens": [outputs[rid].token_ids for rid in ids], "texts": [outputs[rid].text for rid in ids],
-            "steps": steps, "decode_tok_s": tokens / wall if wall else 0.0,
-            "tokens_per_step": tokens / decode_steps / len(prompts) if decode_steps else 0.0}
+    run = run_batch(llm.engine, prompts, params)
+    return {"tokens": [o.token_ids for o in run.outputs], "texts": [o.text for o in run.outputs],
+            "steps": run.steps, "decode_tok_s": run.decode_tok_s, "tokens_per_step": run.tokens_per_step(len(prompts))}
 
 
 def main(argv=None) -> dict:

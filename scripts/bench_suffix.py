@@ -19,10 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
+
+from qnext.bench.batch_decode import run_batch
 
 
 def parse_args(argv=None):
@@ -42,26 +43,10 @@ def run(llm, prompts: list[list[int]], output_len: int) -> dict:
     tokens per decode step (steps after the prefill: plain or verify)."""
     from qnext import SamplingParams
 
-    engine, stats = llm.engine, llm.engine.stats
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    ids = [f"r{time.perf_counter_ns()}-{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(ids, prompts):
-        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-    outputs, decode_wall, decode_steps, decode_tokens = {}, 0.0, 0, 0
-    while engine.has_unfinished_requests():
-        prefill, generated = stats.num_prefill_tokens, stats.num_generated_tokens
-        t0 = time.perf_counter()
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs[0].token_ids
-        if stats.num_prefill_tokens == prefill:          # a decode step (plain or verify)
-            decode_wall += time.perf_counter() - t0
-            decode_steps += 1
-            decode_tokens += stats.num_generated_tokens - generated
-    for rid in ids:
-        engine.release(rid)
-    return {"tokens": [outputs[rid] for rid in ids], "decode_tok_s": decode_tokens / decode_wall,
-            "tokens_per_step": decode_tokens / decode_steps / len(prompts), "decode_steps": decode_steps}
+    batch = run_batch(llm.engine, prompts, SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True))
+    return {"tokens": [o.token_ids for o in batch.outputs], "decode_tok_s": batch.decode_tokens / batch.decode_wall_s,
+            "tokens_per_step": batch.decode_tokens / batch.decode_steps / len(prompts),
+            "decode_steps": batch.decode_steps}
 
 
 def main(argv=None) -> dict:
